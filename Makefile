@@ -1,0 +1,42 @@
+# The README's two commands: `make train` (set up, prepare real data, train on CPU) and
+# `make test` (set up, lint, run the test suite). Everything lives in .venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build that the reference machines carry on disk. GPU users: install your CUDA
+# build of torch into $(VENV) first, or run `make setup TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+RECIPE ?= recipes/gpt2_debug_shakespeare_cpu.yaml
+TOKENIZER ?= gpt2
+
+.PHONY: setup train test lint format bench clean
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+train: setup
+	$(BIN)/plugintrain prepare shakespeare --tokenizer $(TOKENIZER)
+	$(BIN)/plugintrain fit --config $(RECIPE)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: setup
+	$(BIN)/python benchmarks/framework_overhead.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info .pytest_cache .ruff_cache

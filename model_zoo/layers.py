@@ -1,0 +1,218 @@
+"""Transformer building blocks: norms, rotary embeddings, attention, feed-forward, KV cache.
+
+Plain single-device PyTorch. Head counts are never baked into reshapes (``view(B, T, -1,
+hs)``), so a tensor-parallel plan can shard the heads of ``wq``/``wk``/``wv`` from outside.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
+
+
+def build_norm(config: TransformerConfig) -> nn.Module:
+    """Return the normalization layer named by ``config.norm`` over ``n_embd`` channels."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+def rope_frequencies(
+    head_dim: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, one per channel pair: ``(head_dim // 2,)``.
+
+    Args:
+        head_dim: Channels per attention head (even).
+        theta: Base period.
+        scaling: Llama 3.1 frequency scaling, applied when given.
+        device: Where to build the tensor.
+    """
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / theta**exponents
+    return inv_freq if scaling is None else _scale_llama3(inv_freq, scaling)
+
+
+def _scale_llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    # Llama 3.1 (reference `apply_scaling` in meta-llama/llama-models): keep high frequencies,
+    # slow the low ones by `factor`, interpolate smoothly in between.
+    old_len = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(
+        wavelen > old_len / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq
+    )
+    is_medium = (wavelen >= old_len / scaling.high_freq_factor) & (
+        wavelen <= old_len / scaling.low_freq_factor
+    )
+    return torch.where(is_medium, interpolated, scaled)
+
+
+def rope_cache(
+    config: TransformerConfig, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines for every position up to ``block_size``: two ``(block_size, hs)``.
+
+    Uses the rotate-half layout (frequencies repeated over the two halves of a head), as Hugging
+    Face does, so its Llama weights load without permuting ``wq``/``wk``.
+    """
+    inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, device)
+    positions = torch.arange(config.block_size, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (block_size, hs / 2)
+    angles = torch.cat((angles, angles), dim=-1)  # (block_size, hs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(B, nh, T, hs)`` by the angles of its positions ``(T, hs)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)  # pairs channel i with channel i + hs/2
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Keys and values of past positions, for incremental decoding.
+
+    The buffers are not persistent: a cache never ends up in a checkpoint.
+
+    Args:
+        batch_size: Largest batch the cache serves.
+        max_seq_len: Largest number of positions it stores.
+        n_kv_head: Key/value heads per layer.
+        head_dim: Channels per head.
+        device: Where to allocate the buffers.
+        dtype: Dtype of the buffers (the model's activation dtype).
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        n_kv_head: int,
+        head_dim: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        shape = (batch_size, n_kv_head, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` ``(B, nkv, T, hs)`` at ``input_pos`` ``(T,)``; return every slot."""
+        B = k.size(0)
+        self.k[:B, :, input_pos] = k
+        self.v[:B, :, input_pos] = v
+        return self.k[:B], self.v[:B]  # (B, nkv, max_seq_len, hs)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads and optional rotary embeddings.
+
+    Args:
+        config: Model architecture.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        d, hs = config.n_embd, config.head_dim
+        self.head_dim = hs
+        self.dropout_p = config.dropout
+        self.wq = nn.Linear(d, config.n_head * hs, bias=config.bias)
+        self.wk = nn.Linear(d, config.kv_heads * hs, bias=config.bias)
+        self.wv = nn.Linear(d, config.kv_heads * hs, bias=config.bias)
+        self.wo = nn.Linear(config.n_head * hs, d, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.kv_cache: KVCache | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend ``x`` ``(B, T, C)`` causally; with a KV cache and ``input_pos``, also to the past.
+
+        Args:
+            x: Hidden states.
+            rope: Cosines and sines for the T positions, ``(T, hs)`` each; None without RoPE.
+            input_pos: Positions of the T tokens ``(T,)``; selects the KV cache path.
+        """
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.kv_cache is not None and input_pos is not None:
+            y = self._attend_cached(q, k, v, input_pos)
+        else:
+            dropout_p = self.dropout_p if self.training else 0.0
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=q.size(1) != k.size(1)
+            )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
+        return self.resid_dropout(self.wo(y))
+
+    def _attend_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor
+    ) -> torch.Tensor:
+        k, v = self.kv_cache.update(input_pos, k, v)  # (B, nkv, max_seq_len, hs)
+        # Query at position p sees cached keys 0..p; slots past the prompt are still zeros.
+        mask = input_pos[:, None] >= torch.arange(k.size(2), device=q.device)  # (T, max_seq_len)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=q.size(1) != k.size(1)
+        )  # (B, nh, T, hs)
+
+
+class MLP(nn.Module):
+    """GPT-2 feed-forward network: ``w2(gelu(w1(x)))`` with the tanh GELU approximation.
+
+    Args:
+        config: Model architecture.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)
+        self.w2 = nn.Linear(config.ffn_dim, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(B, T, C)`` to ``(B, T, C)``."""
+        return self.dropout(self.w2(F.gelu(self.w1(x), approximate="tanh")))
+
+
+class SwiGLU(nn.Module):
+    """Gated feed-forward network ``w2(silu(w1(x)) * w3(x))`` (Shazeer 2020, used by Llama).
+
+    Args:
+        config: Model architecture.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)  # gate
+        self.w3 = nn.Linear(config.n_embd, config.ffn_dim, bias=config.bias)  # up
+        self.w2 = nn.Linear(config.ffn_dim, config.n_embd, bias=config.bias)  # down
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(B, T, C)`` to ``(B, T, C)``."""
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+def build_feed_forward(config: TransformerConfig) -> nn.Module:
+    """Return the feed-forward network named by ``config.mlp``."""
+    return SwiGLU(config) if config.mlp == "swiglu" else MLP(config)

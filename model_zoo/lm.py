@@ -1,0 +1,264 @@
+"""CausalLM: next-token training, evaluation and generation for any TransformerConfig."""
+
+import functools
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.cli import OptimizerCallable
+from torchmetrics import Metric
+
+from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.transformer import Transformer
+
+
+class Perplexity(Metric):
+    """Token-level perplexity from mean losses, synced across ranks by summing NLL and counts.
+
+    Takes the loss already computed for the step, so the vocabulary softmax runs once.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state(
+            "nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, loss: torch.Tensor, num_tokens: int) -> None:
+        """Add a batch whose mean token NLL is ``loss`` over ``num_tokens`` tokens."""
+        self.nll_sum += loss.detach().double() * num_tokens
+        self.count += num_tokens
+
+    def compute(self) -> torch.Tensor:
+        """``exp(total NLL / total tokens)``."""
+        return torch.exp(self.nll_sum / self.count)
+
+
+def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """Learning-rate multiplier: linear warmup, then cosine decay to ``min_lr_ratio``.
+
+    Warmup follows torchtitan, ``(step + 1) / (warmup_steps + 1)``, so the first step already
+    moves the weights; the factor is 1 at ``warmup_steps`` and ``min_lr_ratio`` from
+    ``decay_steps`` on.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class CausalLM(L.LightningModule):
+    """A decoder-only language model trained on next-token prediction.
+
+    The transformer is built in :meth:`configure_model`, so a strategy can build it on the
+    meta device and shard it before allocating the weights.
+
+    Args:
+        config: A preset name (see ``TransformerConfig.presets()``) or a full config.
+        optimizer: Builds the optimizer from parameter groups, e.g. ``torch.optim.AdamW``
+            with its learning rate; injected as a callable because the model's parameters
+            only exist after ``configure_model``.
+        weight_decay: Decoupled weight decay for matrices (not for biases and norm weights).
+        warmup_steps: Optimizer steps of linear learning-rate warmup.
+        lr_decay_steps: Step at which the cosine decay reaches its floor; None means the
+            trainer's estimated total number of steps.
+        min_lr_ratio: Final learning rate as a fraction of the peak.
+    """
+
+    def __init__(
+        self,
+        config: str | TransformerConfig = "gpt2-debug",
+        optimizer: OptimizerCallable = torch.optim.AdamW,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+        lr_decay_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        # The optimizer is training setup, not part of the model, and a callable would stop
+        # `load_from_checkpoint` from reading the checkpoint with `weights_only=True`.
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.config = TransformerConfig.from_name(config) if isinstance(config, str) else config
+        self.optimizer = optimizer
+        self.weight_decay = weight_decay
+        self.warmup_steps = warmup_steps
+        self.lr_decay_steps = lr_decay_steps
+        self.min_lr_ratio = min_lr_ratio
+        self.model: Transformer | None = None
+        # Training FLOPs of the latest batch on this device, for Lightning's ThroughputMonitor
+        # (MFU); set by training_step.
+        self.flops_per_batch = 0
+        self.val_ppl = Perplexity()
+        self.test_ppl = Perplexity()
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model covers."""
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence the model accepts (``block_size``)."""
+        return self.config.block_size
+
+    def configure_model(self) -> None:
+        """Build the transformer, once (Lightning may call this hook more than once)."""
+        if self.model is not None:
+            return
+        self.model = Transformer(self.config)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`."""
+        return self.model(tokens, input_pos)
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)`` in fp32."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        """Next-token loss on ``(x, y)`` int64 ``(B, T)``; logs ``train_loss``."""
+        x, y = batch
+        self.flops_per_batch = self.config.flops_per_token(x.size(1)) * x.numel()
+        loss = self.loss_fn(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Logs ``val_loss`` and ``val_ppl``."""
+        self._evaluate(batch, "val", self.val_ppl)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Logs ``test_loss`` and ``test_ppl``."""
+        self._evaluate(batch, "test", self.test_ppl)
+
+    def _evaluate(
+        self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, ppl: Perplexity
+    ) -> None:
+        x, y = batch
+        loss = self.loss_fn(self(x), y)
+        ppl.update(loss, y.numel())
+        self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
+        self.log(f"{stage}_ppl", ppl)
+
+    def configure_optimizers(self) -> dict:
+        """The injected optimizer over decay/no-decay groups, with a per-step LR schedule."""
+        optimizer = self.optimizer(self._param_groups())
+        decay_steps = self.lr_decay_steps
+        if decay_steps is None:
+            decay_steps = self.trainer.estimated_stepping_batches
+            if not math.isfinite(decay_steps):
+                raise ValueError("The trainer has no step limit; set CausalLM(lr_decay_steps=...).")
+        schedule = functools.partial(
+            lr_factor,
+            warmup_steps=self.warmup_steps,
+            decay_steps=int(decay_steps),
+            min_lr_ratio=self.min_lr_ratio,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    def _param_groups(self) -> list[dict]:
+        # nanoGPT: decay matrices (Linear and embedding weights), not biases and norm gains.
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        use_cache: bool = True,
+        eos_id: int | None = None,
+    ) -> torch.Tensor:
+        """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens.
+
+        Call ``eval()`` first when the config has dropout.
+
+        Args:
+            idx: Prompt token ids.
+            max_new_tokens: Number of tokens to generate.
+            temperature: Softmax temperature; 0 picks the most likely token (greedy).
+            top_k: Sample only among the k most likely tokens; None samples from all.
+            use_cache: Prefill a KV cache once and decode one token per step; without it,
+                each step reruns the (last ``block_size`` tokens of the) sequence.
+            eos_id: Stop once every row has produced this token; finished rows are padded
+                with it.
+
+        Returns:
+            The prompts followed by the generated tokens, ``(B, T + n)`` with
+            ``n <= max_new_tokens``.
+
+        Raises:
+            ValueError: If the cache is used and prompt plus new tokens exceed ``block_size``.
+        """
+        if use_cache:
+            self._setup_kv_cache(idx, max_new_tokens)
+        try:
+            return self._generate(idx, max_new_tokens, temperature, top_k, use_cache, eos_id)
+        finally:
+            self.model.clear_kv_cache()
+
+    def _setup_kv_cache(self, idx: torch.Tensor, max_new_tokens: int) -> None:
+        total = idx.size(1) + max_new_tokens
+        if total > self.max_seq_len:
+            raise ValueError(
+                f"Prompt length {idx.size(1)} + max_new_tokens={max_new_tokens} = {total} "
+                f"exceeds block_size={self.max_seq_len}; generate fewer tokens, or pass "
+                f"use_cache=False to crop the context to the last block_size tokens."
+            )
+        self.model.setup_kv_cache(idx.size(0), total, device=idx.device)
+
+    def _generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        use_cache: bool,
+        eos_id: int | None,
+    ) -> torch.Tensor:
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        for step in range(max_new_tokens):
+            logits = self._next_logits(idx, step, use_cache)  # (B, V)
+            idx_next = _sample(logits, temperature, top_k)  # (B, 1)
+            if eos_id is not None:
+                idx_next = idx_next.masked_fill(done[:, None], eos_id)
+                done |= idx_next[:, 0] == eos_id
+            idx = torch.cat((idx, idx_next), dim=1)
+            if done.all():
+                break
+        return idx
+
+    def _next_logits(self, idx: torch.Tensor, step: int, use_cache: bool) -> torch.Tensor:
+        if not use_cache:
+            return self.model(idx[:, -self.max_seq_len :])[:, -1]
+        # The first step prefills the cache with the prompt; later ones feed the newest token.
+        start = 0 if step == 0 else idx.size(1) - 1
+        input_pos = torch.arange(start, idx.size(1), device=idx.device)
+        return self.model(idx[:, start:], input_pos)[:, -1]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """Pick one token id per row of ``logits`` ``(B, V)``: ``(B, 1)``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)

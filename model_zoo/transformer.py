@@ -1,0 +1,177 @@
+"""The decoder-only transformer shared by every family (GPT-2, Llama 3, ...).
+
+Attribute names are an interface: tensor-parallel plans key on module paths such as
+``layers.0.attention.wq``, and pipeline splitting deletes entries of the ``layers``
+``ModuleDict`` (keeping the others' names) and sets ``tok_embeddings``, ``norm`` or ``output``
+to None on the stages that do not own them (torchtitan's layout).
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.layers import (
+    Attention,
+    KVCache,
+    build_feed_forward,
+    build_norm,
+    rope_cache,
+)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: attention, then feed-forward, each on a residual branch.
+
+    Args:
+        config: Model architecture.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.attention_norm = build_norm(config)
+        self.attention = Attention(config)
+        self.ffn_norm = build_norm(config)
+        self.feed_forward = build_feed_forward(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Map hidden states ``(B, T, C)`` to ``(B, T, C)``; see :meth:`Attention.forward`."""
+        h = x + self.attention(self.attention_norm(x), rope, input_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids in, next-token logits out.
+
+    Construct under ``torch.device("meta")`` for large models, then ``to_empty(device=...)``
+    and :meth:`init_weights`. Off the meta device the constructor initializes the weights
+    itself, so seeding before construction gives reproducible weights.
+
+    Args:
+        config: Model architecture.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_embeddings = (
+            nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config) for i in range(config.n_layer)}
+        )
+        self.norm = build_norm(config)
+        self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self._tie_embeddings()
+        # Derived from the config, so not persistent: checkpoints hold only weights.
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        if config.position == "rope":
+            self.rope_cos, self.rope_sin = rope_cache(config)
+        if self.output.weight.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize every weight and rebuild the RoPE buffers in place.
+
+        Normal(0, ``init_std``) for embeddings and Linear weights, scaled by
+        ``1 / sqrt(2 * n_layer)`` for the projections that write into the residual stream
+        (``wo``, ``w2``; GPT-2 paper, section 2.3), zero biases, unit norm weights.
+        """
+        self._tie_embeddings()  # to_empty() replaces each parameter on its own, untying them
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual = name.endswith((".wo", ".w2"))
+                nn.init.normal_(module.weight, std=residual_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if self.rope_cos is not None:
+            self.rope_cos, self.rope_sin = rope_cache(self.config, device=self.rope_cos.device)
+
+    def _tie_embeddings(self) -> None:
+        if (
+            self.config.tie_embeddings
+            and self.tok_embeddings is not None
+            and self.output is not None
+        ):
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute logits ``(B, T, V)`` for token ids ``(B, T)``.
+
+        On a pipeline stage without ``tok_embeddings`` the input is hidden states ``(B, T, C)``,
+        and without ``norm``/``output`` the hidden states are returned.
+
+        Args:
+            tokens: Token ids, or hidden states on a later pipeline stage.
+            input_pos: Positions of the T tokens ``(T,)``; None means ``0..T-1``. Needed to
+                read and write the KV cache set up by :meth:`setup_kv_cache`.
+        """
+        pos = (
+            input_pos
+            if input_pos is not None
+            else torch.arange(tokens.size(1), device=tokens.device)
+        )
+        h = self._embed(tokens, pos) if self.tok_embeddings is not None else tokens  # (B, T, C)
+        rope = (self.rope_cos[pos], self.rope_sin[pos]) if self.rope_cos is not None else None
+        for layer in self.layers.values():
+            h = layer(h, rope, input_pos)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h  # (B, T, V)
+
+    def _embed(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)  # (B, T, C)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(pos)  # (T, C) broadcast over the batch
+        return self.dropout(h)
+
+    def setup_kv_cache(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Give every attention layer a KV cache (generation only).
+
+        Args:
+            batch_size: Largest batch to decode.
+            max_seq_len: Prompt plus generated tokens; at most ``block_size``.
+            device: Cache device; defaults to the model's.
+            dtype: Cache dtype; defaults to the model's parameter dtype.
+        """
+        if max_seq_len > self.config.block_size:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds block_size={self.config.block_size}; "
+                f"shorten the prompt or generate fewer tokens."
+            )
+        weight = next(self.parameters())
+        for layer in self.layers.values():
+            layer.attention.kv_cache = KVCache(
+                batch_size,
+                max_seq_len,
+                self.config.kv_heads,
+                self.config.head_dim,
+                device=device or weight.device,
+                dtype=dtype or weight.dtype,
+            )
+
+    def clear_kv_cache(self) -> None:
+        """Drop the KV caches, freeing their memory."""
+        for layer in self.layers.values():
+            layer.attention.kv_cache = None

@@ -1,0 +1,5 @@
+"""Callbacks shipped with plugintrain."""
+
+from plugintrain.callbacks.throughput import TokenThroughputMonitor
+
+__all__ = ["TokenThroughputMonitor"]

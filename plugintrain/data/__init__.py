@@ -1,0 +1,30 @@
+"""Data: tokenizers, llm.c token files, datamodules and offline asset preparation."""
+
+from plugintrain.data.assets import ASSETS, Asset, AssetError, cache_root, fetch_asset
+from plugintrain.data.mnist import MNISTDataModule, read_idx, write_idx
+from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
+from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
+from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule, TokenWindows
+from plugintrain.data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer
+
+__all__ = [
+    "ASSETS",
+    "TOKENIZER_NAMES",
+    "Asset",
+    "AssetError",
+    "MNISTDataModule",
+    "ResumableSampler",
+    "TokenDataModule",
+    "TokenFileError",
+    "TokenWindows",
+    "Tokenizer",
+    "cache_root",
+    "fetch_asset",
+    "get_tokenizer",
+    "prepare_mnist",
+    "prepare_shakespeare",
+    "read_idx",
+    "read_token_bin",
+    "write_idx",
+    "write_token_bin",
+]

@@ -1,0 +1,41 @@
+"""Subcommands that run beside LightningCLI's ``fit/validate/test/predict``.
+
+Each tool is a function ``(argv) -> exit code`` registered in :data:`TOOLS`; the
+``plugintrain`` entry point dispatches to it by its first argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from plugintrain.tools.compare import main as compare_main
+from plugintrain.tools.generate import main as generate_main
+from plugintrain.tools.prepare import main as prepare_main
+
+TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
+    "prepare": prepare_main,
+    "generate": generate_main,
+    "compare": compare_main,
+}
+
+_OVERVIEW = """\
+usage: plugintrain <command> [options]
+
+Training (LightningCLI; `plugintrain fit --help` lists every option):
+  fit        train a model:           plugintrain fit --config recipes/<recipe>.yaml
+  validate   run the validation loop
+  test       run the test loop
+  predict    run prediction
+
+Tools:
+  prepare    build real datasets offline: plugintrain prepare shakespeare --tokenizer gpt2
+  generate   sample text from a checkpoint: plugintrain generate --ckpt_path last.ckpt
+  compare    diff two runs' losses/module stats: plugintrain compare RUN_A RUN_B --dtype bf16
+
+Run `plugintrain <command> --help` for the options of one command.
+"""
+
+
+def print_overview() -> None:
+    """Print the list of commands (the top-level ``--help``)."""
+    print(_OVERVIEW, end="")

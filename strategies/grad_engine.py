@@ -1,0 +1,656 @@
+"""A data-parallel gradient engine: bucketed, overlapped reduction with ZeRO-1/2 sharding.
+
+Stages follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (SC'20), §5:
+
+- ``0``: every rank all-reduces gradients and steps the whole model (classic DP).
+- ``1`` (P_os): gradients are all-reduced, but each rank keeps optimizer state for, and
+  steps, only its 1/N slice of every bucket; updated slices are then all-gathered.
+- ``2`` (P_os+g): gradients are reduce-scattered, so each rank also keeps only its 1/N
+  gradient slice.
+- ``"parameter_server"``: gradients are reduced to rank 0, which alone holds optimizer
+  state and steps; the parameters are broadcast back.
+
+The memory layout is Megatron-LM's distributed optimizer (Shoeybi et al.; ``megatron/core/
+distributed/param_and_grad_buffer.py``): parameters are views into flat per-bucket
+buffers padded to a multiple of the group size, so rank ``r`` owns the contiguous range
+``[r * S, (r + 1) * S)`` of each bucket. The optimizer steps "shard parameters", one view
+of the owned range per original parameter (so weight-decay groups survive), and keeps
+being the user's optimizer object (so LR schedulers keep working).
+
+The engine knows nothing about Lightning: it runs on any process group, so a hybrid
+strategy can run it on the ``dp`` sub-mesh's group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, TypeAlias
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.autograd import Variable
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from plugintrain.distributed import GradientLayout, GradientPiece
+
+PARAMETER_SERVER: Final = "parameter_server"
+Stage: TypeAlias = Literal[0, 1, 2, "parameter_server"]
+STAGES: Final[tuple[Stage, ...]] = (0, 1, 2, PARAMETER_SERVER)
+
+# Optimizers whose update of an element reads only that element's gradient and state, so
+# stepping slices on different ranks equals stepping the whole tensor on one.
+ELEMENTWISE_OPTIMIZERS: set[type[Optimizer]] = {
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.ASGD,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+}
+
+
+def register_elementwise_optimizer(cls: type[Optimizer]) -> type[Optimizer]:
+    """Allow the engine to shard ``cls`` (usable as a class decorator).
+
+    Only register optimizers that update each element from its own gradient and state;
+    norm-based (LAMB, LARS) or factored (Adafactor) updates would silently change.
+    """
+    ELEMENTWISE_OPTIMIZERS.add(cls)
+    return cls
+
+
+def check_shardable(optimizer: Optimizer) -> None:
+    """Raise a ``TypeError`` naming the fix if ``optimizer`` cannot be stepped in slices."""
+    if isinstance(optimizer, tuple(ELEMENTWISE_OPTIMIZERS)):
+        return
+    allowed = ", ".join(sorted(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS))
+    raise TypeError(
+        f"{type(optimizer).__name__} cannot be used with the data-parallel gradient engine: it"
+        " steps each parameter as flat slices owned by different ranks, which is exact only for"
+        f" elementwise optimizers ({allowed}). Use one of those, or register an elementwise"
+        " optimizer with `plugintrain.strategies.register_elementwise_optimizer`."
+    )
+
+
+def validate_engine_args(stage: Any, bucket_size_mb: float) -> None:
+    """Fail early, quoting the offending value, on an unknown stage or bucket size."""
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(
+            f"`stage` must be one of {STAGES}, got {stage!r}. Stage 3 (parameter"
+            " partitioning) is not implemented here; use FSDP2 for it."
+        )
+    if not bucket_size_mb > 0:
+        raise ValueError(f"`bucket_size_mb` must be > 0, got {bucket_size_mb}.")
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    """``numel`` rounded up to a multiple of ``world_size``, so shards are equal."""
+    return math.ceil(numel / world_size) * world_size
+
+
+def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The contiguous ``[lo, hi)`` range of a padded flat buffer that ``rank`` owns."""
+    size = padded_numel(numel, world_size) // world_size
+    return rank * size, (rank + 1) * size
+
+
+def assign_buckets(params: list[Tensor], bucket_size_mb: float) -> list[list[int]]:
+    """Group parameter indices into same-dtype buckets of about ``bucket_size_mb``.
+
+    Parameters are taken in reverse, the order backward produces their gradients (as torch
+    DDP does), so the first bucket fills first and its reduction overlaps the rest of
+    backward. A bucket closes once it reaches the size; one parameter never splits.
+    """
+    limit = bucket_size_mb * 2**20
+    buckets: list[list[int]] = []
+    open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
+    for index in reversed(range(len(params))):
+        param = params[index]
+        indices, size = open_by_dtype.get(param.dtype, ([], 0))
+        if not indices:
+            buckets.append(indices)
+        indices.append(index)
+        size += param.numel() * param.element_size()
+        open_by_dtype[param.dtype] = ([], 0) if size >= limit else (indices, size)
+    return buckets
+
+
+def optimizer_state_bytes(optimizer: Optimizer) -> int:
+    """Bytes held by the tensors of ``optimizer.state`` on this rank."""
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    )
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One parameter's place in its bucket."""
+
+    name: str
+    param: Tensor
+    bucket: _Bucket
+    offset: int
+    numel: int
+    shard: nn.Parameter | None = None
+    shard_offset: int = 0
+
+    def shard_of(self, full: Tensor) -> Tensor:
+        """The part of a full, parameter-shaped tensor that this rank's shard covers."""
+        assert self.shard is not None
+        start = self.shard_offset - self.offset
+        return full.reshape(-1)[start : start + self.shard.numel()]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """A flat parameter buffer, its gradient buffer and the rank's owned range."""
+
+    params: Tensor
+    owned: tuple[int, int]
+    slots: list[_Slot] = field(default_factory=list)
+    grads: Tensor | None = None
+    shard_grads: Tensor | None = None
+    stale: bool = False
+    ready: int = 0
+    work: dist.Work | None = None
+
+    def grad_buffer(self) -> Tensor:
+        """The flat gradient buffer, zeroed on first use after the last reduction.
+
+        Zeroing lazily keeps the reduced gradients readable until the optimizer stepped.
+        """
+        if self.grads is None:
+            self.grads = torch.zeros_like(self.params)
+        elif self.stale:
+            self.grads.zero_()
+        self.stale = False
+        return self.grads
+
+
+class _AllReduce:
+    """Stage 0: every rank reduces and owns everything."""
+
+    # Each rank's optimizer holds the same gradient, so it counts once per world in norms.
+    replicated = True
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.root = dist.get_global_rank(group or dist.group.WORLD, 0)
+
+    @property
+    def frees_grads(self) -> bool:
+        """Whether the full gradient buffer is dropped once reduced."""
+        return False
+
+    def owned(self, numel: int) -> tuple[int, int]:
+        return 0, numel
+
+    def reduce(self, bucket: _Bucket) -> dist.Work:
+        return dist.all_reduce(bucket.grad_buffer(), group=self.group, async_op=True)
+
+    def reduced_grads(self, bucket: _Bucket) -> Tensor:
+        assert bucket.grads is not None
+        lo, hi = bucket.owned
+        return bucket.grads[lo:hi]
+
+    def sync_params(self, bucket: _Bucket) -> dist.Work | None:
+        return None
+
+    def gather_to_root(self, owned: Tensor) -> Tensor | None:
+        """A full flat buffer from each rank's owned piece, on group rank 0 only."""
+        return owned if self.rank == 0 else None
+
+
+class _ShardedOptimizer(_AllReduce):
+    """Stage 1: all-reduced gradients, optimizer state for the owned 1/N slice only."""
+
+    replicated = False
+
+    def owned(self, numel: int) -> tuple[int, int]:
+        return shard_range(numel, self.rank, self.world_size)
+
+    def sync_params(self, bucket: _Bucket) -> dist.Work | None:
+        lo, hi = bucket.owned
+        # In-place all-gather: the owned slice is already at its place in the output.
+        return dist.all_gather_single(bucket.params, bucket.params[lo:hi], self.group, True)
+
+    def gather_to_root(self, owned: Tensor) -> Tensor | None:
+        pieces = [torch.empty_like(owned) for _ in range(self.world_size)]
+        dist.gather(owned, pieces if self.rank == 0 else None, dst=self.root, group=self.group)
+        return torch.cat(pieces) if self.rank == 0 else None
+
+
+class _ShardedGradients(_ShardedOptimizer):
+    """Stage 2: reduce-scatter, so only the owned gradient slice outlives the reduction."""
+
+    @property
+    def frees_grads(self) -> bool:
+        return True
+
+    def reduce(self, bucket: _Bucket) -> dist.Work:
+        assert bucket.shard_grads is not None
+        grads = bucket.grad_buffer()
+        return dist.reduce_scatter_single(
+            bucket.shard_grads, grads, group=self.group, async_op=True
+        )
+
+    def reduced_grads(self, bucket: _Bucket) -> Tensor:
+        assert bucket.shard_grads is not None
+        return bucket.shard_grads
+
+
+class _ParameterServer(_AllReduce):
+    """Gradients reduced to rank 0, which alone steps; parameters broadcast back."""
+
+    replicated = False
+
+    @property
+    def frees_grads(self) -> bool:
+        return self.rank != 0
+
+    def owned(self, numel: int) -> tuple[int, int]:
+        return (0, numel) if self.rank == 0 else (0, 0)
+
+    def reduce(self, bucket: _Bucket) -> dist.Work:
+        return dist.reduce(bucket.grad_buffer(), dst=self.root, group=self.group, async_op=True)
+
+    def sync_params(self, bucket: _Bucket) -> dist.Work | None:
+        return dist.broadcast(bucket.params, src=self.root, group=self.group, async_op=True)
+
+
+_SCHEMES: dict[Stage, type[_AllReduce]] = {
+    0: _AllReduce,
+    1: _ShardedOptimizer,
+    2: _ShardedGradients,
+    PARAMETER_SERVER: _ParameterServer,
+}
+
+
+class GradientEngine:
+    """Bucketed, overlapped data-parallel gradient reduction with optional ZeRO sharding.
+
+    Building the engine moves every trainable parameter into a flat bucket buffer (the
+    ``Parameter`` objects stay, their ``.data`` becomes a view), broadcasts group rank 0's
+    values, and hooks each parameter: when its gradient is accumulated, the hook adds it
+    to the bucket's flat gradient buffer and frees ``param.grad`` (one copy, as Megatron's
+    ``main_grad``); when a bucket's last gradient arrives, the bucket's collective is
+    launched asynchronously, overlapping the rest of backward. At the end of backward the
+    engine waits for all collectives, averages, and points the shard parameters' ``.grad``
+    at the reduced gradients. :meth:`attach` hands an optimizer the shard parameters; after
+    its ``step()`` the updated shards are all-gathered (or broadcast) into the model.
+
+    Model parameters' ``.grad`` stay ``None``: gradients live in the engine, and the
+    optimizer (or a precision plugin through :meth:`gradient_layout`) reads them from the
+    shard parameters.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs, e.g. ``module.named_parameters()``; those
+            not requiring grad are left alone. Names key the full optimizer state.
+        process_group: The data-parallel group; ``None`` for the default (world) group.
+        stage: 0 (all-reduce), 1 (shard optimizer state), 2 (also shard gradients) or
+            ``"parameter_server"`` (reduce to rank 0, which steps, then broadcast).
+        bucket_size_mb: Target bucket size in MiB; larger buckets mean fewer, longer
+            collectives, smaller ones start communicating earlier in backward.
+        overlap_comm: Launch each bucket's collective from the gradient hooks as soon as
+            the bucket is complete; if ``False``, all are launched after backward.
+    """
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, Tensor]],
+        process_group: dist.ProcessGroup | None = None,
+        stage: Stage = 2,
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+    ) -> None:
+        validate_engine_args(stage, bucket_size_mb)
+        named = [(name, param) for name, param in named_params if param.requires_grad]
+        if not named:
+            raise ValueError("The gradient engine got no parameters that require grad.")
+        self.stage = stage
+        self.process_group = process_group
+        self.overlap_comm = overlap_comm
+        self._scheme = _SCHEMES[stage](process_group)
+        params = [param for _, param in named]
+        self._buckets = [
+            self._build_bucket([named[i] for i in indices])
+            for indices in assign_buckets(params, bucket_size_mb)
+        ]
+        self._slots = {slot.param: slot for bucket in self._buckets for slot in bucket.slots}
+        self._by_shard = {
+            slot.shard: slot for slot in self._slots.values() if slot.shard is not None
+        }
+        self._hooks: list[RemovableHandle] = [
+            param.register_post_accumulate_grad_hook(self._on_grad_ready) for param in params
+        ]
+        self._group_names: dict[Optimizer, list[list[str]]] = {}
+        self._sync_grads = True
+        self._finish_queued = False
+        self._broadcast_params()
+
+    @property
+    def world_size(self) -> int:
+        """Size of the data-parallel group."""
+        return self._scheme.world_size
+
+    @property
+    def num_buckets(self) -> int:
+        """How many flat buckets the parameters were packed into."""
+        return len(self._buckets)
+
+    @property
+    def bucket_numels(self) -> list[int]:
+        """Padded element count of each bucket, in reduction order."""
+        return [bucket.params.numel() for bucket in self._buckets]
+
+    def _build_bucket(self, named: list[tuple[str, Tensor]]) -> _Bucket:
+        numel = sum(param.numel() for _, param in named)
+        first = named[0][1]
+        flat = torch.zeros(
+            padded_numel(numel, self.world_size), dtype=first.dtype, device=first.device
+        )
+        bucket = _Bucket(params=flat, owned=self._scheme.owned(flat.numel()))
+        offset = 0
+        for name, param in named:
+            view = flat[offset : offset + param.numel()]
+            view.copy_(param.detach().reshape(-1))
+            param.data = view.view_as(param)
+            bucket.slots.append(self._make_slot(name, param, bucket, offset))
+            offset += param.numel()
+        if self._scheme.frees_grads and bucket.owned[1] > bucket.owned[0]:
+            bucket.shard_grads = torch.zeros(
+                bucket.owned[1] - bucket.owned[0], dtype=flat.dtype, device=flat.device
+            )
+        return bucket
+
+    @staticmethod
+    def _make_slot(name: str, param: Tensor, bucket: _Bucket, offset: int) -> _Slot:
+        slot = _Slot(name, param, bucket, offset, param.numel())
+        lo = max(offset, bucket.owned[0])
+        hi = min(offset + param.numel(), bucket.owned[1])
+        if lo < hi:
+            slot.shard = nn.Parameter(bucket.params[lo:hi])
+            slot.shard_offset = lo
+        return slot
+
+    def _broadcast_params(self) -> None:
+        """Start every replica from group rank 0's weights, as torch DDP does."""
+        works = [
+            dist.broadcast(
+                bucket.params, src=self._scheme.root, group=self.process_group, async_op=True
+            )
+            for bucket in self._buckets
+        ]
+        for work in works:
+            work.wait()
+
+    # ---- backward: accumulate, launch, finish ---------------------------------------------
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        slot = self._slots[param]
+        bucket = slot.bucket
+        assert param.grad is not None
+        bucket.grad_buffer()[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        param.grad = None
+        if not self._sync_grads:
+            return
+        self._queue_finish()
+        bucket.ready += 1
+        if self.overlap_comm and bucket.ready == len(bucket.slots):
+            bucket.work = self._scheme.reduce(bucket)
+
+    def _queue_finish(self) -> None:
+        # Autograd runs queued callbacks once the whole backward pass is done (torch DDP
+        # and FSDP finalize their reductions the same way).
+        if not self._finish_queued:
+            Variable._execution_engine.queue_callback(self.finish_grad_sync)
+            self._finish_queued = True
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what is still pending, wait, average and expose the owned gradients.
+
+        Runs automatically at the end of a synchronizing backward pass. Buckets with a
+        parameter that got no gradient are launched here (their gradient counts as zero).
+        """
+        self._finish_queued = False
+        for bucket in self._buckets:
+            if bucket.work is None:
+                bucket.work = self._scheme.reduce(bucket)
+        for bucket in self._buckets:
+            assert bucket.work is not None
+            bucket.work.wait()
+            bucket.work, bucket.ready = None, 0
+            self._publish(bucket)
+
+    def _publish(self, bucket: _Bucket) -> None:
+        reduced = self._scheme.reduced_grads(bucket).div_(self.world_size)
+        lo = bucket.owned[0]
+        for slot in bucket.slots:
+            if slot.shard is not None:
+                start = slot.shard_offset - lo
+                slot.shard.grad = reduced[start : start + slot.shard.numel()]
+        if self._scheme.frees_grads:
+            bucket.grads = None
+        bucket.stale = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally without communicating (all but the last micro-batch)."""
+        previous, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
+
+    # ---- optimizer ------------------------------------------------------------------------
+
+    def attach(self, optimizer: Optimizer) -> None:
+        """Make ``optimizer`` step this rank's shard parameters, then re-sync the model.
+
+        The optimizer object is kept (LR schedulers hold it); each group's ``params`` is
+        re-pointed at the shard parameters of its original parameters. State the optimizer
+        already has (Adagrad creates it eagerly; a restored optimizer) is resharded.
+
+        Raises:
+            TypeError: If the optimizer is not elementwise (see :func:`check_shardable`).
+            ValueError: If it steps a parameter the engine does not manage.
+        """
+        check_shardable(optimizer)
+        names = [
+            [self._slot(param).name for param in group["params"]]
+            for group in optimizer.param_groups
+        ]
+        existing = {
+            "state": {self._slot(param).name: state for param, state in optimizer.state.items()},
+            "param_groups": [
+                {**group, "params": group_names}
+                for group, group_names in zip(optimizer.param_groups, names, strict=True)
+            ],
+        }
+        self._group_names[optimizer] = names
+        for group in optimizer.param_groups:
+            shards = (self._slot(param).shard for param in group["params"])
+            group["params"] = [shard for shard in shards if shard is not None]
+        optimizer.state.clear()
+        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.sync_params()))
+        if existing["state"]:
+            self.load_optimizer_state_dict(optimizer, existing)
+
+    def _slot(self, param: Tensor) -> _Slot:
+        slot = self._slots.get(param)
+        if slot is None:
+            raise ValueError(
+                f"The optimizer steps a parameter of shape {tuple(param.shape)} that the gradient"
+                " engine does not manage; build the optimizer from the module's trainable"
+                " parameters."
+            )
+        return slot
+
+    def sync_params(self) -> None:
+        """Bring every rank's model up to date after the owners stepped their shards."""
+        works = [self._scheme.sync_params(bucket) for bucket in self._buckets]
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
+        """How the gradients of ``parameters`` (the optimizer's shards) lie across the group.
+
+        Stage 0 gradients are replicated on every rank; stage 1/2 and parameter-server
+        shards are disjoint, so each counts once (see :class:`plugintrain.distributed.
+        GradientLayout`).
+        """
+        replicas = self.world_size if self._scheme.replicated else 1
+        pieces = [GradientPiece(p.grad, replicas) for p in parameters if p.grad is not None]
+        group = self.process_group or dist.group.WORLD
+        return GradientLayout(group=group, pieces=pieces, device=self._buckets[0].params.device)
+
+    # ---- full (unsharded) optimizer state, keyed by parameter name -------------------------
+
+    def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole optimizer state keyed by parameter name, on group rank 0 (``{}`` elsewhere).
+
+        The layout is torch's ``Optimizer.state_dict()`` with names for ids: ``state`` maps
+        each name to full, parameter-shaped tensors; ``param_groups[i]["params"]`` lists the
+        names in the original order, so a plain unsharded optimizer over the same groups can
+        ``load_state_dict`` it directly. Every rank of the group must call this.
+        """
+        meta = self._state_meta(optimizer)
+        state = {name: dict(scalars) for name, (scalars, _) in meta.items()}
+        for bucket in self._buckets:
+            keys = {kd for slot in bucket.slots for kd in meta.get(slot.name, ({}, set()))[1]}
+            for key, dtype in sorted(keys, key=str):
+                full = self._scheme.gather_to_root(self._owned_state(optimizer, bucket, key, dtype))
+                for slot in bucket.slots if full is not None else ():
+                    if (key, dtype) in meta.get(slot.name, ({}, set()))[1]:
+                        piece = full[slot.offset : slot.offset + slot.numel]
+                        state[slot.name][key] = piece.view_as(slot.param).clone()
+        if self._scheme.rank != 0:
+            return {}
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+            for group, names in zip(
+                optimizer.param_groups, self._group_names[optimizer], strict=True
+            )
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def _state_meta(self, optimizer: Optimizer) -> dict[str, tuple[dict[str, Any], set]]:
+        """Per name: scalar state (e.g. ``step``) and the ``(key, dtype)`` of sharded state.
+
+        Exchanged between ranks so all of them join the same collectives, even for buckets
+        whose owned slice holds no state.
+        """
+        local = {}
+        for shard, values in optimizer.state.items():
+            slot = self._by_shard[shard]
+            sharded = {(k, v.dtype) for k, v in values.items() if self._is_sharded(v, shard)}
+            scalars = {k: v for k, v in values.items() if not self._is_sharded(v, shard)}
+            local[slot.name] = (scalars, sharded)
+        everyone: list[dict] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(everyone, local, group=self.process_group)
+        merged: dict[str, tuple[dict[str, Any], set]] = {}
+        for rank_meta in everyone:
+            for name, (scalars, sharded) in rank_meta.items():
+                entry = merged.setdefault(name, (scalars, set()))
+                entry[1].update(sharded)
+        return merged
+
+    @staticmethod
+    def _is_sharded(value: Any, shard: Tensor) -> bool:
+        return torch.is_tensor(value) and value.dim() > 0 and value.numel() == shard.numel()
+
+    def _owned_state(
+        self, optimizer: Optimizer, bucket: _Bucket, key: str, dtype: torch.dtype
+    ) -> Tensor:
+        """This rank's owned range of a bucket, filled with state ``key`` where it exists."""
+        lo, hi = bucket.owned
+        owned = torch.zeros(hi - lo, dtype=dtype, device=bucket.params.device)
+        for slot in bucket.slots:
+            value = optimizer.state.get(slot.shard, {}).get(key) if slot.shard is not None else None
+            if value is not None:
+                start = slot.shard_offset - lo
+                owned[start : start + value.numel()] = value
+        return owned
+
+    def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load a full state (from :meth:`optimizer_state_dict` or a plain torch optimizer over
+        the same groups), keeping only this rank's slices: any rank count can resume it.
+        """
+        names = self._group_names[optimizer]
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(names):
+            raise ValueError(
+                f"The checkpoint has {len(saved_groups)} optimizer param groups, the optimizer"
+                f" has {len(names)}; build the optimizer with the same groups to resume."
+            )
+        full_state = _state_by_name(state_dict, names)
+        shards = [shard for group in optimizer.param_groups for shard in group["params"]]
+        state = {}
+        for index, shard in enumerate(shards):
+            slot = self._by_shard[shard]
+            values = full_state.get(slot.name, {})
+            state[index] = {
+                key: slot.shard_of(v) if self._is_sharded_full(v, slot) else v
+                for key, v in values.items()
+            }
+        groups, start = [], 0
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            hyper = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        optimizer.load_state_dict(
+            {"state": {i: s for i, s in state.items() if s}, "param_groups": groups}
+        )
+
+    @staticmethod
+    def _is_sharded_full(value: Any, slot: _Slot) -> bool:
+        return torch.is_tensor(value) and value.dim() > 0 and value.numel() == slot.numel
+
+    # ---- accounting and teardown ---------------------------------------------------------
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage the engine holds on this rank right now."""
+        tensors = [t for b in self._buckets for t in (b.grads, b.shard_grads) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def remove(self) -> None:
+        """Remove the gradient and optimizer hooks (parameters stay views of the buffers)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+
+def _state_by_name(state_dict: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """``state_dict["state"]`` keyed by parameter name.
+
+    Checkpoints written by the engine are already keyed by name; a plain torch optimizer's
+    are keyed by position in its groups, which the original group order maps to names.
+    """
+    keys = [key for group in state_dict["param_groups"] for key in group["params"]]
+    flat_names = [name for group in names for name in group]
+    if all(isinstance(key, str) for key in keys):
+        return dict(state_dict["state"])
+    if len(keys) != len(flat_names):
+        raise ValueError(
+            f"The checkpoint's optimizer steps {len(keys)} parameters, this one"
+            f" {len(flat_names)}; they must match to resume."
+        )
+    rename = dict(zip(keys, flat_names, strict=True))
+    return {rename[key]: value for key, value in state_dict["state"].items()}

@@ -1,0 +1,258 @@
+"""Lightning strategies over our gradient engine: ZeRO-1/2, bucketed DDP, parameter server.
+
+They launch processes, detect torchrun/SLURM environments, shard the sampler and sync
+metrics exactly like Lightning's ``DDPStrategy`` (which they subclass), but replace torch's
+``DistributedDataParallel`` wrapper with :class:`~plugintrain.strategies.GradientEngine`.
+Checkpoints hold the full optimizer state keyed by parameter name (gathered to rank 0), so
+they resume under any number of ranks, with or without these strategies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterable, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from plugintrain.distributed import GradientLayout
+from plugintrain.strategies.grad_engine import (
+    PARAMETER_SERVER,
+    GradientEngine,
+    Stage,
+    validate_engine_args,
+)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class _GradientEngineStrategy(DDPStrategy):
+    """What the engine strategies share: install the engine, skip syncs, reshard checkpoints.
+
+    Implements :class:`plugintrain.distributed.GradientLayoutProvider`, so plugintrain's
+    precision plugins clip by the global norm and agree found-inf across the shards.
+    """
+
+    def __init__(
+        self,
+        engine_stage: Stage,
+        bucket_size_mb: float,
+        overlap_comm: bool,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+        start_method: StartMethod,
+        **kwargs: Any,
+    ) -> None:
+        validate_engine_args(engine_stage, bucket_size_mb)
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        if self._ddp_kwargs:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected arguments {sorted(self._ddp_kwargs)}; it"
+                " does not wrap the model in torch DistributedDataParallel."
+            )
+        self.engine_stage = engine_stage
+        self.bucket_size_mb = bucket_size_mb
+        self.overlap_comm = overlap_comm
+        self._engine: GradientEngine | None = None
+
+    @property
+    def engine(self) -> GradientEngine:
+        """The gradient engine (exists while fitting, after ``setup``)."""
+        if self._engine is None:
+            raise RuntimeError(
+                f"{type(self).__name__}'s gradient engine exists only while fitting."
+            )
+        return self._engine
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_clipping(trainer)
+        super().setup(trainer)
+
+    def _check_clipping(self, trainer: pl.Trainer) -> None:
+        # Lightning's own plugins clip by the norm of the local shard only: wrong under ZeRO.
+        if trainer.gradient_clip_val and not hasattr(self.precision_plugin, "gradient_layout"):
+            raise ValueError(
+                f"Gradient clipping (gradient_clip_val={trainer.gradient_clip_val}) with"
+                f" {type(self).__name__} needs a layout-aware precision plugin, got"
+                f" {type(self.precision_plugin).__name__}. Pass e.g."
+                " `plugins=[plugintrain.precision_plugins.FP32Precision()]`."
+            )
+
+    @override
+    def configure_ddp(self) -> None:
+        # No torch DDP wrapper: the engine's gradient hooks do the reduction.
+        assert self.model is not None
+        self._engine = GradientEngine(
+            self.model.named_parameters(),
+            process_group=None,
+            stage=self.engine_stage,
+            bucket_size_mb=self.bucket_size_mb,
+            overlap_comm=self.overlap_comm,
+        )
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self._engine is not None:
+            for optimizer in self.optimizers:
+                self._engine.attach(_unwrap(optimizer))
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
+        """The layout of the optimizer's shard gradients, for the precision plugin."""
+        return self.engine.gradient_layout(parameters)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._engine is None:
+            return super().optimizer_state(optimizer)
+        # Full state keyed by parameter name on rank 0 (every rank joins the gather).
+        return self._engine.optimizer_state_dict(_unwrap(optimizer))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._engine is None:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        states = checkpoint["optimizer_states"]
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            self._engine.load_optimizer_state_dict(_unwrap(optimizer), state)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
+        super().teardown()
+
+
+class ZeroStrategy(_GradientEngineStrategy):
+    """ZeRO data parallelism (stages 0, 1, 2) with our bucketed, overlapped gradient engine.
+
+    Registered as ``ddp_bucketed`` (stage 0), ``zero1`` and ``zero2``. Stage 0 is accepted
+    (as in DeepSpeed) so bucketed DDP shares the engine; stage 3 is FSDP's job.
+
+    Args:
+        stage: 1 shards optimizer state, 2 also shards gradients (reduce-scatter); 0 is
+            plain bucketed all-reduce data parallelism.
+        bucket_size_mb: Target size of each flat gradient bucket in MiB.
+        overlap_comm: Launch each bucket's collective during backward as soon as the bucket
+            is complete, instead of after backward.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
+        timeout: Timeout of the process group's collectives.
+        start_method: How Lightning launches the processes (``"popen"`` reruns the script,
+            as ``ddp`` does; ``"spawn"``/``"fork"`` as ``ddp_spawn``/``ddp_fork``).
+        **kwargs: Lightning plumbing forwarded to ``DDPStrategy`` (``accelerator``,
+            ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+            ``precision_plugin``).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if stage not in (0, 1, 2) or isinstance(stage, bool):
+            raise ValueError(
+                f"ZeroStrategy(stage={stage!r}) is not supported: use stage=1 (shard optimizer"
+                " state) or stage=2 (also shard gradients), or 0 for bucketed DDP. For"
+                " parameter sharding (stage 3) use FSDP2."
+            )
+        super().__init__(
+            stage,
+            bucket_size_mb,
+            overlap_comm,
+            process_group_backend,
+            timeout,
+            start_method,
+            **kwargs,
+        )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries = (
+            ("ddp_bucketed", 0, "bucketed, overlapped all-reduce data parallelism"),
+            ("zero1", 1, "ZeRO stage 1: optimizer state sharded over data-parallel ranks"),
+            ("zero2", 2, "ZeRO stage 2: optimizer state and gradients sharded"),
+        )
+        for name, stage, description in entries:
+            strategy_registry.register(name, cls, description=description, stage=stage)
+
+
+class ParameterServerStrategy(_GradientEngineStrategy):
+    """Parameter-server data parallelism: reduce gradients to rank 0, step there, broadcast.
+
+    Registered as ``parameter_server``. Only rank 0 holds optimizer state; the other ranks
+    compute gradients and receive the updated weights.
+
+    Args:
+        bucket_size_mb: Target size of each flat gradient bucket in MiB.
+        overlap_comm: Launch each bucket's reduction during backward as soon as the bucket
+            is complete, instead of after backward.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
+        timeout: Timeout of the process group's collectives.
+        start_method: How Lightning launches the processes (see :class:`ZeroStrategy`).
+        **kwargs: Lightning plumbing forwarded to ``DDPStrategy``.
+    """
+
+    strategy_name = PARAMETER_SERVER
+
+    def __init__(
+        self,
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            PARAMETER_SERVER,
+            bucket_size_mb,
+            overlap_comm,
+            process_group_backend,
+            timeout,
+            start_method,
+            **kwargs,
+        )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            PARAMETER_SERVER, cls, description="gradients reduced to rank 0, which steps"
+        )
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -1,0 +1,95 @@
+"""A Lightning run under a plugintrain strategy, for ``test_zero.py`` (run as a script).
+
+Lightning launches the other ranks itself by re-running this script (``popen``, as
+``ddp`` does). Records the rank-averaged loss of every micro-batch on rank 0 as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+import plugintrain.strategies  # noqa: F401  (registers zero1, zero2, ...)
+from plugintrain.model_zoo import CausalLM, TransformerConfig
+from plugintrain.precision_plugins import FP32Precision
+
+GLOBAL_MICRO_BATCH = 8
+SAMPLES = 32  # one epoch = 4 micro-batches = 2 optimizer steps
+SEQ = 16
+
+
+class _LossRecorder(Callback):
+    """The loss of each micro-batch, averaged over ranks (the global micro-batch loss)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+        self.losses.append(loss.item())
+
+
+def _data(devices: int) -> DataLoader:
+    tokens = torch.randint(0, 97, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    return DataLoader(dataset, batch_size=GLOBAL_MICRO_BATCH // devices)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args()
+    L.seed_everything(0)
+    config = dataclasses.replace(
+        TransformerConfig.from_name("gpt2-debug"),
+        vocab_size=97,
+        n_layer=2,
+        n_embd=32,
+        block_size=SEQ,
+    )
+    model = CausalLM(
+        config, functools.partial(torch.optim.AdamW, lr=3e-3), warmup_steps=1, lr_decay_steps=8
+    )
+    recorder = _LossRecorder()
+    checkpoint = ModelCheckpoint(args.root / "ckpt", "{step}", save_top_k=-1, every_n_epochs=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=args.strategy,
+        max_steps=4,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        plugins=[FP32Precision()],
+        callbacks=[recorder, checkpoint],
+        default_root_dir=args.root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, _data(args.devices), ckpt_path=args.resume)
+    if trainer.is_global_zero:
+        logged = "train_loss" in trainer.callback_metrics
+        args.out.write_text(json.dumps({"losses": recorder.losses, "logged": logged}))
+
+
+if __name__ == "__main__":
+    main()

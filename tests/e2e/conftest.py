@@ -1,0 +1,37 @@
+"""Fixtures for end-to-end tests: real data, prepared once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def shakespeare_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shakespeare tokenized with GPT-2 BPE, prepared once per test session."""
+    from plugintrain.data import prepare_shakespeare
+
+    out = tmp_path_factory.mktemp("shakespeare_gpt2")
+    prepare_shakespeare(out, tokenizer="gpt2")
+    return out
+
+
+@pytest.fixture(scope="session")
+def shakespeare_llama3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shakespeare tokenized with the Llama 3 tokenizer, prepared once per test session."""
+    from plugintrain.data import prepare_shakespeare
+
+    out = tmp_path_factory.mktemp("shakespeare_llama3")
+    prepare_shakespeare(out, tokenizer="llama3")
+    return out
+
+
+@pytest.fixture(scope="session")
+def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 5,000 real MNIST digits as IDX files, prepared once per test session."""
+    from plugintrain.data import prepare_mnist
+
+    out = tmp_path_factory.mktemp("mnist")
+    prepare_mnist(out)
+    return out

@@ -1,0 +1,221 @@
+"""End to end: every recipe parses, the CPU recipes train through the real CLI.
+
+Subprocess runs are the expensive part (about 5 s of imports each on two cores), so each
+test exercises as much of one command as it can: a fit checks the logs, the config and
+the checkpoint; the resume continues that fit; generate reads that checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from plugintrain.cli import PluginTrainCLI, main
+from plugintrain.precision_plugins import BF16MixedPrecision, FP16MixedPrecision, FP32Precision
+
+from _cli import RECIPES, REPO, run_cli
+
+ALL_RECIPES = sorted(RECIPES.glob("*.yaml"))
+# Tiny overrides that keep every CPU fit to seconds while running the recipe's real path.
+FAST = (
+    "--data.init_args.seq_len=32",
+    "--data.init_args.batch_size=2",
+    "--trainer.limit_val_batches=2",
+    "--trainer.val_check_interval=2",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.enable_progress_bar=false",
+    "--checkpoint.every_n_train_steps=2",
+    "--throughput.window_size=2",
+)
+
+
+def _scalars(log_dir: Path, tag: str) -> dict[int, float]:
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def test_recipes_cover_the_issue() -> None:
+    names = {p.stem for p in ALL_RECIPES}
+    assert {
+        "mnist",
+        "gpt2_124m_shakespeare",
+        "llama3_1b_shakespeare",
+        "gpt2_debug_shakespeare_cpu",
+        "llama3_debug_shakespeare_cpu",
+    } <= names
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_parses(recipe: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        PluginTrainCLI(args=["fit", "--config", str(recipe), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "class_path: plugintrain." in printed
+    assert "save_last: true" in printed  # the default checkpoint callback is configured
+
+
+def test_overview_lists_tools(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("fit", "validate", "test", "predict", "prepare", "generate"):
+        assert command in out
+
+
+def test_data_too_long_for_model_fails_before_training(shakespeare_gpt2: Path) -> None:
+    recipe = RECIPES / "gpt2_debug_shakespeare_cpu.yaml"
+    with pytest.raises(ValueError, match=r"seq_len=4096 exceeds the model's max_seq_len=256"):
+        PluginTrainCLI(
+            args=[
+                "--config", str(recipe),
+                f"--data.init_args.data_dir={shakespeare_gpt2}",
+                "--data.init_args.seq_len=4096",
+            ],
+            run=False,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("precision", "plugin", "dtype"),
+    [
+        ("16-mixed", FP16MixedPrecision, torch.float16),  # Lightning's own would pick bf16 on CPU
+        ("bf16-mixed", BF16MixedPrecision, torch.bfloat16),
+        ("32-true", FP32Precision, torch.float32),
+    ],
+)
+def test_precision_names_select_our_plugins(
+    shakespeare_gpt2: Path, precision: str, plugin: type, dtype: torch.dtype
+) -> None:
+    cli = PluginTrainCLI(
+        args=[
+            "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
+            f"--data.init_args.data_dir={shakespeare_gpt2}",
+            f"--trainer.precision={precision}",
+        ],
+        run=False,
+    )  # fmt: skip
+    assert type(cli.trainer.precision_plugin) is plugin
+    if dtype is not torch.float32:
+        assert cli.trainer.precision_plugin.autocast_context_manager().fast_dtype == dtype
+
+
+def test_precision_set_twice_is_refused(shakespeare_gpt2: Path) -> None:
+    with pytest.raises(ValueError, match="both set the precision"):
+        PluginTrainCLI(
+            args=[
+                "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
+                f"--data.init_args.data_dir={shakespeare_gpt2}",
+                "--trainer.precision=bf16-mixed",
+                "--trainer.plugins+=plugintrain.precision_plugins.FP16MixedPrecision",
+            ],
+            run=False,
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(shakespeare_gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step fit of the GPT-2 CPU recipe; returns its log version directory."""
+    runs = tmp_path_factory.mktemp("runs")
+    run_cli(
+        "fit", "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
+        f"--data.init_args.data_dir={shakespeare_gpt2}",
+        f"--trainer.logger.init_args.save_dir={runs}",
+        "--trainer.max_steps=4", *FAST,
+        cwd=REPO,
+    )  # fmt: skip
+    return runs / "gpt2_debug_shakespeare_cpu" / "version_0"
+
+
+def test_fit_writes_logs_config_and_checkpoints(gpt2_run: Path) -> None:
+    assert (gpt2_run / "config.yaml").is_file()
+    losses = _scalars(gpt2_run, "train_loss")
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    assert _scalars(gpt2_run, "val_loss")
+    assert _scalars(gpt2_run, "train/device/items_per_sec")  # tokens/s (throughput monitor)
+    assert _scalars(gpt2_run, "lr-AdamW/pg1")
+    ckpt = torch.load(gpt2_run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 4
+
+
+def test_resume_from_last_continues_where_it_stopped(
+    gpt2_run: Path, shakespeare_gpt2: Path, tmp_path: Path
+) -> None:
+    run_cli(
+        "fit", "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
+        f"--data.init_args.data_dir={shakespeare_gpt2}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.max_steps=6", *FAST,
+        f"--ckpt_path={gpt2_run / 'checkpoints' / 'last.ckpt'}",
+        cwd=REPO,
+    )  # fmt: skip
+    resumed = tmp_path / "gpt2_debug_shakespeare_cpu" / "version_0"
+    assert sorted(_scalars(resumed, "train_loss")) == [4, 5]
+    ckpt = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 6
+
+
+def test_generate_from_checkpoint(gpt2_run: Path) -> None:
+    proc = run_cli(
+        "generate", f"--ckpt_path={gpt2_run / 'checkpoints' / 'last.ckpt'}",
+        "--prompt=ROMEO:", "--max_new_tokens=8", "--temperature=0", "--json",
+        cwd=REPO,
+    )  # fmt: skip
+    sample = json.loads(proc.stdout)
+    prompt = [33676, 4720, 25]  # "ROMEO:" in GPT-2 BPE
+    assert sample["tokens"][:3] == prompt and len(sample["tokens"]) == 3 + 8
+    assert sample["text"].startswith("ROMEO:")
+
+
+def test_llama3_recipe_fits(shakespeare_llama3: Path, tmp_path: Path) -> None:
+    run_cli(
+        "fit", "--config", str(RECIPES / "llama3_debug_shakespeare_cpu.yaml"),
+        f"--data.init_args.data_dir={shakespeare_llama3}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.max_steps=2", *FAST,
+        cwd=REPO,
+    )  # fmt: skip
+    losses = _scalars(tmp_path / "llama3_debug_shakespeare_cpu" / "version_0", "train_loss")
+    assert len(losses) == 2
+
+
+def test_ddp_two_processes_from_the_same_recipe(shakespeare_gpt2: Path, tmp_path: Path) -> None:
+    run_cli(
+        "fit", "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
+        f"--data.init_args.data_dir={shakespeare_gpt2}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.strategy=ddp", "--trainer.devices=2",
+        "--trainer.max_steps=2", *FAST,
+        cwd=REPO,
+    )  # fmt: skip
+    run = tmp_path / "gpt2_debug_shakespeare_cpu" / "version_0"
+    assert len(_scalars(run, "train_loss")) == 2
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 2
+    # Each of the 2 ranks took its own half of the data: the saved position counts
+    # this rank's samples, i.e. steps x per-rank batch.
+    assert ckpt["TokenDataModule"]["samples"] == 2 * 2
+
+
+def test_mnist_recipe_fits(mnist_dir: Path, tmp_path: Path) -> None:
+    run_cli(
+        "fit", "--config", str(RECIPES / "mnist.yaml"),
+        f"--data.init_args.data_dir={mnist_dir}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
+        cwd=REPO,
+    )  # fmt: skip
+    val_acc = _scalars(tmp_path / "mnist" / "version_0", "val_acc")
+    assert max(val_acc.values()) > 0.8  # real digits, one epoch of a small MLP
+
+
+def test_prepare_reports_what_it_wrote(tmp_path: Path) -> None:
+    out = tmp_path / "mnist"
+    proc = run_cli("prepare", "mnist", f"--out={out}", cwd=REPO)
+    summary = json.loads(proc.stdout)
+    assert summary["train_images"] == 4500
+    assert (out / "train-images-idx3-ubyte").is_file()

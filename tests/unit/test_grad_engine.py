@@ -1,0 +1,197 @@
+"""Single-process logic of the gradient engine: bucketing, padding, shard ranges, errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from plugintrain.strategies import (
+    GradientEngine,
+    ParameterServerStrategy,
+    ZeroStrategy,
+    check_shardable,
+    optimizer_state_bytes,
+    register_elementwise_optimizer,
+)
+from plugintrain.strategies.grad_engine import (
+    ELEMENTWISE_OPTIMIZERS,
+    assign_buckets,
+    padded_numel,
+    shard_range,
+)
+
+
+@pytest.fixture
+def world_of_one(tmp_path) -> None:
+    """A gloo group of one process, for engine tests that need a process group."""
+    if dist.is_initialized():
+        pytest.skip("another test left a process group initialized")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def test_buckets_follow_backward_order_and_close_at_the_size() -> None:
+    params = [torch.zeros(100), torch.zeros(100), torch.zeros(300), torch.zeros(50)]
+    # 1 KiB buckets hold 256 fp32 elements: a bucket closes once it reaches the size.
+    assert assign_buckets(params, 1 / 1024) == [[3, 2], [1, 0]]
+
+
+def test_buckets_are_single_dtype() -> None:
+    params = [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)]
+    assert assign_buckets(params, 1.0) == [[2, 0], [1]]
+
+
+def test_large_parameter_gets_its_own_bucket() -> None:
+    params = [torch.zeros(10), torch.zeros(10_000), torch.zeros(10)]
+    assert assign_buckets(params, 1 / 1024) == [[2, 1], [0]]
+
+
+@pytest.mark.parametrize(
+    ("numel", "world", "padded"), [(10, 1, 10), (10, 4, 12), (12, 4, 12), (1, 3, 3)]
+)
+def test_padding_to_a_multiple_of_the_group(numel: int, world: int, padded: int) -> None:
+    assert padded_numel(numel, world) == padded
+
+
+def test_shard_ranges_tile_the_padded_buffer() -> None:
+    ranges = [shard_range(10, rank, 4) for rank in range(4)]
+    assert ranges == [(0, 3), (3, 6), (6, 9), (9, 12)]
+
+
+@pytest.mark.parametrize("stage", [3, -1, "zero2", True])
+def test_unknown_stage_is_refused(stage: object) -> None:
+    with pytest.raises(
+        ValueError, match=re.escape(f"ZeroStrategy(stage={stage!r}) is not supported")
+    ):
+        ZeroStrategy(stage=stage)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [0, -1.5])
+def test_non_positive_bucket_size_is_refused(size: float) -> None:
+    with pytest.raises(ValueError, match=rf"`bucket_size_mb` must be > 0, got {size}"):
+        ZeroStrategy(stage=2, bucket_size_mb=size)
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        ParameterServerStrategy(bucket_size_mb=size)
+
+
+def test_unknown_strategy_argument_is_refused() -> None:
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        ZeroStrategy(stage=1, find_unused_parameters=True)
+
+
+def test_non_elementwise_optimizer_is_refused() -> None:
+    optimizer = torch.optim.LBFGS(_mlp().parameters())
+    with pytest.raises(TypeError, match=r"LBFGS cannot be used .* AdamW"):
+        check_shardable(optimizer)
+
+
+def test_registering_an_elementwise_optimizer() -> None:
+    @register_elementwise_optimizer
+    class Signum(torch.optim.SGD):
+        pass
+
+    try:
+        check_shardable(Signum(_mlp().parameters(), lr=0.1))
+    finally:
+        ELEMENTWISE_OPTIMIZERS.discard(Signum)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_engine_refuses_lbfgs_before_training() -> None:
+    model = _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=2, bucket_size_mb=1.0)
+    with pytest.raises(TypeError, match="LBFGS"):
+        engine.attach(torch.optim.LBFGS(model.parameters()))
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_engine_refuses_foreign_parameters() -> None:
+    model = _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=1, bucket_size_mb=1.0)
+    with pytest.raises(ValueError, match=r"shape \(2,\) that the gradient engine does not"):
+        engine.attach(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("stage", [0, 1, 2, "parameter_server"])
+def test_params_become_views_of_padded_buckets(stage: int | str) -> None:
+    model = _mlp()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = GradientEngine(model.named_parameters(), stage=stage, bucket_size_mb=1 / 16384)
+    assert engine.num_buckets > 1
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, before[name])
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == engine.num_buckets
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("stage", [0, 1, 2, "parameter_server"])
+def test_one_rank_engine_trains_like_plain_pytorch(stage: int | str) -> None:
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    reference, model = _mlp(), _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=stage, bucket_size_mb=1 / 16384)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (reference, model)]
+    engine.attach(optimizers[1])
+    for _ in range(3):
+        for net, optimizer in zip((reference, model), optimizers, strict=True):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+    for (name, expected), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, msg=name)
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer_state_bytes(optimizers[1]) == optimizer_state_bytes(optimizers[0])
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_state_created_before_attach_is_kept() -> None:
+    # Adagrad creates its state eagerly, keyed by the original parameters.
+    model = _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=2, bucket_size_mb=1 / 16384)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.5)
+    engine.attach(optimizer)
+    state = engine.optimizer_state_dict(optimizer)
+    assert set(state["state"]) == {name for name, _ in model.named_parameters()}
+    torch.testing.assert_close(state["state"]["0.weight"]["sum"], torch.full((7, 5), 0.5))
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_positional_state_dict_of_a_plain_optimizer_loads_by_name() -> None:
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    plain = _mlp()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=0.1)
+    nn.functional.mse_loss(plain(x), y).backward()
+    plain_optimizer.step()
+    model = _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=1, bucket_size_mb=1 / 16384)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    engine.load_optimizer_state_dict(optimizer, plain_optimizer.state_dict())
+    full = engine.optimizer_state_dict(optimizer)
+    for name, param in plain.named_parameters():
+        expected = plain_optimizer.state[param]["exp_avg"]
+        torch.testing.assert_close(full["state"][name]["exp_avg"], expected)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_mismatched_param_groups_are_refused() -> None:
+    model = _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=2, bucket_size_mb=1.0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine.attach(optimizer)
+    saved = {"state": {}, "param_groups": [optimizer.param_groups[0]] * 2}
+    with pytest.raises(ValueError, match="checkpoint has 2 optimizer param groups, the"):
+        engine.load_optimizer_state_dict(optimizer, saved)

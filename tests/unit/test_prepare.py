@@ -1,0 +1,131 @@
+"""Preparing Shakespeare token files and MNIST IDX files from the offline assets."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from plugintrain.data import (
+    MNISTDataModule,
+    get_tokenizer,
+    prepare_mnist,
+    prepare_shakespeare,
+    read_idx,
+    read_token_bin,
+    write_idx,
+)
+from plugintrain.data.mnist import IDX_FILES
+
+
+@pytest.fixture(scope="module")
+def shakespeare_gpt2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shakespeare_gpt2")
+    return out, prepare_shakespeare(out, tokenizer="gpt2")
+
+
+@pytest.fixture(scope="module")
+def mnist_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mnist")
+    prepare_mnist(out)
+    return out
+
+
+def test_shakespeare_gpt2_token_files(shakespeare_gpt2):
+    out, meta = shakespeare_gpt2
+    train, val = read_token_bin(out / "train.bin"), read_token_bin(out / "val.bin")
+    assert train.dtype == np.uint16  # version 1 files, as llm.c writes for GPT-2
+    assert (len(train), len(val)) == (meta["train_tokens"], meta["val_tokens"])
+    assert 0.05 <= len(val) / (len(train) + len(val)) <= 0.10
+    assert max(train.max(), val.max()) < meta["vocab_size"] == 50257
+    # Each work starts with the separator: 39 training works, 3 held out.
+    assert (train == 50256).sum() == meta["train_works"] == 39
+    assert (val == 50256).sum() == len(meta["val_works"]) == 3
+    assert train[0] == val[0] == 50256
+    assert "by William Shakespeare" in get_tokenizer("gpt2").decode(train[1:40].tolist())
+    assert 4.0 < meta["val_unigram_xent_nats"] < np.log(50257)
+    assert json.loads((out / "meta.json").read_text()) == meta
+
+
+def test_shakespeare_is_idempotent(shakespeare_gpt2):
+    out, meta = shakespeare_gpt2
+    stamp = (out / "train.bin").stat().st_mtime_ns
+    assert prepare_shakespeare(out, tokenizer="gpt2") == meta
+    assert (out / "train.bin").stat().st_mtime_ns == stamp
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        prepare_shakespeare(out, tokenizer="gpt2", val_every=13)
+
+
+def test_shakespeare_llama3_overwrites_other_data(tmp_path, shakespeare_gpt2):
+    _, gpt2_meta = shakespeare_gpt2
+    (tmp_path / "meta.json").write_text(json.dumps(gpt2_meta))
+    with pytest.raises(FileExistsError, match="'tokenizer': 'gpt2'"):
+        prepare_shakespeare(tmp_path, tokenizer="llama3", val_every=13)
+    meta = prepare_shakespeare(tmp_path, tokenizer="llama3", val_every=13, overwrite=True)
+    train = read_token_bin(tmp_path / "train.bin")
+    assert train.dtype == np.uint32 and train[0] == 128000
+    assert meta["vocab_size"] == 128256 and meta["bos_id"] == 128000
+    assert (train == 128000).sum() == meta["train_works"]
+    assert train.max() < 128256
+    assert meta["val_works"] == ["henry_vi_part_3", "othello", "troilus_and_cressida"]
+
+
+def test_mnist_idx_files_feed_the_datamodule(mnist_dir):
+    assert len(read_idx(mnist_dir / IDX_FILES["train_images"], ndim=3)) == 4500
+    assert len(read_idx(mnist_dir / IDX_FILES["test_labels"], ndim=1)) == 500
+    dm = MNISTDataModule(str(mnist_dir), batch_size=100, val_fraction=0.1)
+    dm.setup("fit")
+    dm.setup("test")
+    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (4050, 450, 500)
+    images, labels = next(iter(dm.train_dataloader()))
+    assert images.shape == (100, 1, 28, 28) and labels.dtype.is_floating_point is False
+    assert abs(float(images.mean())) < 0.2  # normalized with the MNIST mean and std
+    for subset in (dm.train_set, dm.val_set, dm.test_set):
+        assert set(subset.labels.tolist()) == set(range(10))
+
+
+def test_mnist_is_idempotent_and_deterministic(mnist_dir, tmp_path):
+    meta = prepare_mnist(mnist_dir)
+    assert meta["train_images"] == 4500 and meta["test_images"] == 500
+    prepare_mnist(tmp_path)
+    for name in IDX_FILES.values():
+        assert (tmp_path / name).read_bytes() == (mnist_dir / name).read_bytes()
+
+
+def test_fashion_copies_gzipped_idx(tmp_path):
+    src = tmp_path / "fashion"
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train_images": rng.integers(0, 256, (20, 28, 28)),
+        "train_labels": np.arange(20) % 10,
+        "test_images": rng.integers(0, 256, (10, 28, 28)),
+        "test_labels": np.arange(10),
+    }
+    for key, array in arrays.items():
+        plain = write_idx(tmp_path / IDX_FILES[key], array)
+        (src / f"{IDX_FILES[key]}.gz").parent.mkdir(exist_ok=True)
+        (src / f"{IDX_FILES[key]}.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    out = tmp_path / "out"
+    assert prepare_mnist(out, source="fashion", fashion_dir=src)["train_images"] == 20
+    dm = MNISTDataModule(str(out), batch_size=5, val_fraction=0.2)
+    dm.setup("fit")
+    assert (len(dm.train_set), len(dm.val_set)) == (16, 4)
+
+
+def test_fashion_missing_says_how_to_install(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        prepare_mnist(tmp_path / "out", source="fashion", fashion_dir=tmp_path / "none")
+
+
+def test_missing_mnist_says_how_to_prepare(tmp_path):
+    with pytest.raises(FileNotFoundError, match="plugintrain prepare mnist"):
+        MNISTDataModule(str(tmp_path)).setup("fit")
+
+
+def test_bad_idx_header_is_named(tmp_path):
+    path = write_idx(tmp_path / "x", np.zeros((2, 28, 28)))
+    with pytest.raises(ValueError, match=r"bad IDX magic: expected \(0, 0, 8, 1\)"):
+        read_idx(path, ndim=1)
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(ValueError, match="bad IDX data size"):
+        read_idx(path, ndim=3)

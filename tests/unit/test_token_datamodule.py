@@ -1,0 +1,175 @@
+"""TokenDataModule: windows, seeded data-parallel sharding, checks, and exact resume."""
+
+from types import SimpleNamespace
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from plugintrain.data import TokenDataModule, write_token_bin
+
+T, B = 4, 2
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    # Token value == position, so a window's first input token / T is its index.
+    write_token_bin(tmp_path / "train.bin", np.arange(14 * T + 3))  # 14 windows
+    write_token_bin(tmp_path / "val.bin", np.arange(3 * T + 1))  # 3 windows
+    return tmp_path
+
+
+def _datamodule(data_dir, dp=None, **kwargs):
+    dm = TokenDataModule(data_dir=str(data_dir), seq_len=T, batch_size=B, **kwargs)
+    if dp is not None:  # a stand-in trainer whose strategy reports a data-parallel layout
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs=dp))
+    dm.setup("fit")
+    return dm
+
+
+def _epoch(dm, epoch=0):
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(epoch)
+    return [(x[:, 0] // T).tolist() for x, _ in loader]
+
+
+def test_windows_are_next_token_pairs(data_dir):
+    dm = _datamodule(data_dir)
+    assert len(dm.train_set) == 14 and len(dm.val_set) == 3
+    x, y = dm.train_set[5]
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == list(range(5 * T, 6 * T))
+    assert y.tolist() == list(range(5 * T + 1, 6 * T + 1))
+    xb, yb = next(iter(dm.val_dataloader()))
+    assert xb.shape == yb.shape == (B, T)
+    assert xb[:, 0].tolist() == [0, T]  # validation is in order
+
+
+def test_shuffle_is_seeded_per_epoch(data_dir):
+    first = _epoch(_datamodule(data_dir))
+    assert first == _epoch(_datamodule(data_dir))
+    assert first != _epoch(_datamodule(data_dir), epoch=1)
+    assert first != _epoch(_datamodule(data_dir, seed=7))
+    assert sorted(i for batch in first for i in batch) == list(range(14))
+    assert _epoch(_datamodule(data_dir, shuffle=False))[0] == [0, 1]
+
+
+def test_data_parallel_ranks_partition_the_epoch(data_dir):
+    ranks = [_epoch(_datamodule(data_dir, dp={"num_replicas": 2, "rank": r})) for r in (0, 1)]
+    samples = [{i for batch in batches for i in batch} for batches in ranks]
+    assert len(ranks[0]) == len(ranks[1]) == 3  # 7 windows per rank, full batches only
+    assert not samples[0] & samples[1]
+    assert len(samples[0] | samples[1]) == 12
+
+
+def test_tensor_parallel_peers_see_the_same_batches(data_dir):
+    # tp peers report the same dp layout, whatever their global rank.
+    layout = {"num_replicas": 2, "rank": 1}
+    assert _epoch(_datamodule(data_dir, dp=layout)) == _epoch(_datamodule(data_dir, dp=layout))
+    assert _epoch(_datamodule(data_dir, dp=None)) == _epoch(_datamodule(data_dir))
+
+
+def test_out_of_vocab_token_raises(data_dir):
+    with pytest.raises(ValueError, match=r"contains token id 58, outside .*vocab_size=50"):
+        _datamodule(data_dir, vocab_size=50)
+
+
+def test_seq_len_above_model_limit_raises(data_dir):
+    with pytest.raises(ValueError, match="seq_len=4 exceeds the model's max_seq_len=2"):
+        _datamodule(data_dir, max_seq_len=2)
+
+
+def test_short_file_raises(tmp_path):
+    write_token_bin(tmp_path / "train.bin", np.arange(T))
+    write_token_bin(tmp_path / "val.bin", np.arange(T + 1))
+    with pytest.raises(ValueError, match=r"holds 4 tokens, too few .*needs 5"):
+        _datamodule(tmp_path)
+
+
+def test_missing_file_says_how_to_prepare(tmp_path):
+    with pytest.raises(FileNotFoundError, match="plugintrain prepare shakespeare"):
+        _datamodule(tmp_path)
+
+
+class _Recorder(L.LightningModule):
+    """Records (epoch, batch_idx, window indices) of every training batch it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        self.seen.append((self.current_epoch, batch_idx, (x[:, 0] // T).tolist()))
+        return (self.w - 1).pow(2).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["seen"] = list(self.seen)
+
+    def on_load_checkpoint(self, checkpoint):
+        self.seen = list(checkpoint["seen"])
+
+
+class _SaveEveryBatch(Callback):
+    """Checkpoints after every batch, also between the batches of one accumulation."""
+
+    def __init__(self, dirpath):
+        self.dirpath = dirpath
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        trainer.save_checkpoint(self.dirpath / f"batch{len(pl_module.seen):03d}.ckpt")
+
+
+def _fit(data_dir, accumulate, callbacks=(), ckpt_path=None):
+    model = _Recorder()
+    trainer = L.Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=accumulate,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, TokenDataModule(str(data_dir), seq_len=T, batch_size=B), ckpt_path=ckpt_path)
+    return model.seen
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "saver", "n_checkpoints"),
+    # With accumulation 2, an epoch of 7 batches takes 4 optimizer steps (the last one
+    # flushes the odd batch), so ModelCheckpoint saves 8 times in 2 epochs.
+    [(1, "model_checkpoint", 14), (2, "model_checkpoint", 8), (2, "every_batch", 14)],
+)
+def test_resume_continues_with_the_uninterrupted_batches(
+    data_dir, tmp_path, accumulate, saver, n_checkpoints
+):
+    ckpt_dir = tmp_path / "ckpt"
+    callback = (
+        ModelCheckpoint(ckpt_dir, filename="{epoch}-{step}", every_n_train_steps=1, save_top_k=-1)
+        if saver == "model_checkpoint"
+        else _SaveEveryBatch(ckpt_dir)
+    )
+    full = _fit(data_dir, accumulate, [callback])
+    assert len(full) == 14  # 7 batches per epoch, 2 epochs
+    checkpoints = sorted(ckpt_dir.glob("*.ckpt"))
+    # Every checkpoint, including the one at the last batch of epoch 0 (the boundary).
+    assert len(checkpoints) == n_checkpoints
+    for ckpt in checkpoints:
+        assert _fit(data_dir, accumulate, ckpt_path=ckpt) == full, ckpt.name
+
+
+def test_resume_position_applies_per_rank_and_only_to_its_epoch(data_dir):
+    layout = {"num_replicas": 2, "rank": 1}
+    full = [_epoch(_datamodule(data_dir, dp=layout), epoch=e) for e in (0, 1)]
+    dm = _datamodule(data_dir, dp=layout)
+    dm.load_state_dict({"epoch": 1, "samples": 2 * B})
+    assert _epoch(dm, epoch=1) == full[1][2:]
+    assert _epoch(dm, epoch=0) == full[0]
