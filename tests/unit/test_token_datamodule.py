@@ -137,6 +137,7 @@ def _fit(data_dir, accumulate, callbacks=(), ckpt_path=None):
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
+        default_root_dir=data_dir,  # Lightning's default checkpoint lands here, not in the repo
     )
     trainer.fit(model, TokenDataModule(str(data_dir), seq_len=T, batch_size=B), ckpt_path=ckpt_path)
     return model.seen
