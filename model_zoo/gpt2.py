@@ -90,23 +90,30 @@ def _block_from_hf(sd: dict[str, torch.Tensor], hf: str, ours: str) -> dict[str,
 def tp_plan() -> dict[str, str]:
     """Tensor/sequence-parallel plan, as data: module path pattern -> style name.
 
-    Styles follow ``torch.distributed.tensor.parallel``: ``colwise`` shards a Linear's output
-    features (heads, FFN hidden units), ``rowwise`` its input features (then all-reduces or
-    reduce-scatters), ``sequence_parallel`` shards norms and dropout over the sequence.
-    The token embedding is ``rowwise`` over the vocabulary, which matches the ``colwise``
-    output layer when the two share a weight. Unlisted modules (``pos_embeddings``) stay
-    replicated.
+    ``colwise`` shards a Linear's output features (heads, FFN hidden units), ``rowwise`` its
+    input features (then all-reduces, or reduce-scatters with sequence parallelism).
+    ``vocab_embedding`` / ``vocab_head`` shard the vocabulary of the token embedding and the
+    LM head (the same split, so a tied weight stays tied). ``tp_input`` marks the input of a
+    block of column-parallel Linears as one replicated tensor (all-gathered from sequence
+    shards with SP). ``sequence_parallel`` and ``sequence_scatter`` apply only with sequence
+    parallelism: norms run on sequence shards, and the embedding dropout is where the
+    sequence gets split (after the learned positions are added). Unlisted modules
+    (``pos_embeddings``) stay replicated. ``plugintrain.strategies.tensor_parallel`` maps
+    the names to torch ParallelStyles.
     """
     return {
-        "tok_embeddings": "rowwise",
+        "tok_embeddings": "vocab_embedding",
+        "dropout": "sequence_scatter",
         "layers.*.attention_norm": "sequence_parallel",
+        "layers.*.attention": "tp_input",
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise",
         "layers.*.attention.wo": "rowwise",
         "layers.*.ffn_norm": "sequence_parallel",
+        "layers.*.feed_forward": "tp_input",
         "layers.*.feed_forward.w1": "colwise",
         "layers.*.feed_forward.w2": "rowwise",
         "norm": "sequence_parallel",
-        "output": "colwise",
+        "output": "vocab_head",
     }

@@ -133,16 +133,19 @@ def tp_plan() -> dict[str, str]:
     heads are sharded alike, so tp must divide ``n_kv_head``.
     """
     return {
-        "tok_embeddings": "rowwise",
+        "tok_embeddings": "vocab_embedding",
+        "dropout": "sequence_scatter",
         "layers.*.attention_norm": "sequence_parallel",
+        "layers.*.attention": "tp_input",
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": "colwise",
         "layers.*.attention.wv": "colwise",
         "layers.*.attention.wo": "rowwise",
         "layers.*.ffn_norm": "sequence_parallel",
+        "layers.*.feed_forward": "tp_input",
         "layers.*.feed_forward.w1": "colwise",
         "layers.*.feed_forward.w3": "colwise",
         "layers.*.feed_forward.w2": "rowwise",
         "norm": "sequence_parallel",
-        "output": "colwise",
+        "output": "vocab_head",
     }

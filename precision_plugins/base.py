@@ -69,7 +69,7 @@ class LayoutAwarePrecision(Precision):
         clip_grads_by_global_norm_(self.gradient_layout(optimizer), float(clip_val))
 
     @override
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(
         self,
         optimizer: Optimizer,
         model: pl.LightningModule,

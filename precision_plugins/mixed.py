@@ -122,11 +122,11 @@ class FP16MixedPrecision(_AutocastPrecision):
         )
 
     @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         return super().pre_backward(self.loss_scaler.scale_loss(tensor), module)
 
     @override
-    def optimizer_step(  # type: ignore[override]
+    def optimizer_step(
         self,
         optimizer: Optimizer,
         model: pl.LightningModule,

@@ -1,5 +1,6 @@
 """Callbacks shipped with plugintrain."""
 
+from plugintrain.callbacks.precision_check import PrecisionCheck
 from plugintrain.callbacks.throughput import TokenThroughputMonitor
 
-__all__ = ["TokenThroughputMonitor"]
+__all__ = ["PrecisionCheck", "TokenThroughputMonitor"]

@@ -1,7 +1,7 @@
 """A Lightning run under a plugintrain strategy, for ``test_zero.py`` (run as a script).
 
 Lightning launches the other ranks itself by re-running this script (``popen``, as
-``ddp`` does). Records the rank-averaged loss of every micro-batch on rank 0 as JSON.
+``ddp`` does). Rank 0 writes the rank-averaged loss of every step as JSON.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import plugintrain.strategies  # noqa: F401  (registers zero1, zero2, ...)
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
 
-GLOBAL_MICRO_BATCH = 8
-SAMPLES = 32  # one epoch = 4 micro-batches = 2 optimizer steps
+GLOBAL_BATCH = 8
+SAMPLES = 16  # one epoch = 2 optimizer steps
 SEQ = 16
 
 
 class _LossRecorder(Callback):
-    """The loss of each micro-batch, averaged over ranks (the global micro-batch loss)."""
+    """The loss of each step averaged over ranks: the loss of the global batch."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -48,7 +48,7 @@ class _LossRecorder(Callback):
 def _data(devices: int) -> DataLoader:
     tokens = torch.randint(0, 97, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(7))
     dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    return DataLoader(dataset, batch_size=GLOBAL_MICRO_BATCH // devices)
+    return DataLoader(dataset, batch_size=GLOBAL_BATCH // devices)
 
 
 def main() -> None:
@@ -68,16 +68,17 @@ def main() -> None:
         block_size=SEQ,
     )
     model = CausalLM(
-        config, functools.partial(torch.optim.AdamW, lr=3e-3), warmup_steps=1, lr_decay_steps=8
+        config, functools.partial(torch.optim.AdamW, lr=3e-3), warmup_steps=0, lr_decay_steps=8, min_lr_ratio=1.0
     )
     recorder = _LossRecorder()
+    # Epoch-end checkpoints: Lightning restarts a plain DataLoader's epoch from its first
+    # batch on resume, so only an epoch boundary continues the uninterrupted data order.
     checkpoint = ModelCheckpoint(args.root / "ckpt", "{step}", save_top_k=-1, every_n_epochs=1)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=args.strategy,
         max_steps=4,
-        accumulate_grad_batches=2,
         gradient_clip_val=0.5,
         plugins=[FP32Precision()],
         callbacks=[recorder, checkpoint],

@@ -383,6 +383,8 @@ def test_lightning_save_on_four_resume_on_two_and_one(tmp_path: Path) -> None:
     on_one = _lightning(
         tmp_path, "zero2x1", "--strategy", "zero2", "--devices", "1", "--resume", ckpt
     )
+    # Gradient accumulation is left to the engine cases: Lightning 2.6 resumes an
+    # accumulating run off by one micro-batch (its own `ddp` does the same).
     assert len(full["losses"]) == 4 and full["logged"]
     torch.testing.assert_close(on_two["losses"], full["losses"][2:], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(on_one["losses"], full["losses"][2:], rtol=1e-5, atol=1e-6)

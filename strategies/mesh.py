@@ -1,0 +1,165 @@
+"""ParallelDims: the degrees of every parallelism, validated, and the DeviceMesh they span.
+
+As in torchtitan's ``distributed/parallel_dims.py``: one dataclass holds the degrees,
+validates them in ``__post_init__`` (before any process starts), derives the data-parallel
+degree when it is ``"auto"`` (``world_size / (tensor_parallel * pipeline_parallel)``, as
+Megatron-LM computes ``data_parallel_size``), and builds one DeviceMesh whose named
+dimensions hand out sub-meshes and process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from plugintrain.model_zoo import TransformerConfig
+
+# Outermost first: pipeline stages talk least, tensor-parallel ranks most, so tp is the
+# innermost (fastest-varying, same-node) dimension, as in Megatron-LM and torchtitan.
+MESH_DIMS = ("pp", "dp", "tp")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of parallelism over ``world_size`` ranks.
+
+    Raises:
+        ValueError: On a layout that cannot run, naming the offending values.
+    """
+
+    world_size: int
+    """Total number of ranks (``nodes x processes per node``)."""
+    data_parallel: int | Literal["auto"] = "auto"
+    """Data-parallel replicas; ``"auto"`` is ``world_size / (tensor_parallel * pipeline_parallel)``."""
+    tensor_parallel: int = 1
+    """Ranks that split each layer's weights (Megatron-LM tensor parallelism)."""
+    sequence_parallel: bool = False
+    """Run norms and dropout on sequence shards (Korthikanti et al. 2022); needs tp > 1."""
+    pipeline_parallel: int = 1
+    """Pipeline stages."""
+    virtual_pipeline_parallel: int = 1
+    """Model chunks per pipeline rank (interleaved schedules); > 1 needs pp > 1."""
+    expert_parallel: int = 1
+    """Ranks that split the experts of MoE layers; borrowed from the data-parallel ranks."""
+    zero_stage: int = 0
+    """Data-parallel sharding: 0 (DDP), 1 (optimizer state), 2 (+ grads), 3 (+ params, FSDP2)."""
+
+    def __post_init__(self) -> None:
+        self._check_positive()
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by tensor_parallel="
+                f"{self.tensor_parallel} x pipeline_parallel={self.pipeline_parallel} ="
+                f" {model_parallel}; change the number of devices or the degrees."
+            )
+        if self.data_parallel == "auto":
+            self.data_parallel = self.world_size // model_parallel
+        self._check_product()
+        self._check_options()
+
+    def _check_positive(self) -> None:
+        degrees = {
+            "world_size": self.world_size,
+            "tensor_parallel": self.tensor_parallel,
+            "pipeline_parallel": self.pipeline_parallel,
+            "virtual_pipeline_parallel": self.virtual_pipeline_parallel,
+            "expert_parallel": self.expert_parallel,
+        }
+        if self.data_parallel != "auto":
+            degrees["data_parallel"] = self.data_parallel
+        bad = {name: v for name, v in degrees.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"Parallel degrees must be integers >= 1, got {bad}.")
+
+    def _check_product(self) -> None:
+        product = self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+        if product != self.world_size:
+            raise ValueError(
+                f"data_parallel={self.data_parallel} x tensor_parallel={self.tensor_parallel}"
+                f" x pipeline_parallel={self.pipeline_parallel} = {product} != world_size="
+                f"{self.world_size}; set data_parallel to 'auto' or fix the degrees."
+            )
+        if self.data_parallel % self.expert_parallel:
+            raise ValueError(
+                f"expert_parallel={self.expert_parallel} must divide data_parallel="
+                f"{self.data_parallel}: expert ranks are borrowed from the data-parallel ranks."
+            )
+
+    def _check_options(self) -> None:
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError(
+                "sequence_parallel=True needs tensor_parallel > 1 (it shards the activations"
+                " between the tensor-parallel regions); got tensor_parallel=1."
+            )
+        if self.virtual_pipeline_parallel > 1 and self.pipeline_parallel == 1:
+            raise ValueError(
+                f"virtual_pipeline_parallel={self.virtual_pipeline_parallel} needs"
+                " pipeline_parallel > 1."
+            )
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}.")
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel degree (resolved from ``"auto"``)."""
+        assert isinstance(self.data_parallel, int)
+        return self.data_parallel
+
+    @property
+    def tp_enabled(self) -> bool:
+        """Whether layers are split over more than one rank."""
+        return self.tensor_parallel > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        """Whether there is more than one data-parallel replica."""
+        return self.dp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Whether parameters are sharded over the data-parallel ranks (ZeRO-3 via FSDP2)."""
+        return self.zero_stage == 3
+
+    def validate_model(self, config: TransformerConfig, seq_len: int | None = None) -> None:
+        """Raise if ``config`` (and ``seq_len`` with SP) cannot be split ``tensor_parallel`` ways.
+
+        Args:
+            config: The model architecture.
+            seq_len: Training sequence length; checked only with sequence parallelism.
+        """
+        tp = self.tensor_parallel
+        sizes = {
+            "n_head": config.n_head,
+            "n_kv_head": config.kv_heads,
+            "ffn_dim (MLP width)": config.ffn_dim,
+            "vocab_size": config.vocab_size,
+        }
+        if self.sequence_parallel and seq_len is not None:
+            sizes["seq_len"] = seq_len
+        bad = {name: size for name, size in sizes.items() if size % tp}
+        if bad:
+            raise ValueError(
+                f"{config.name}: {bad} not divisible by tensor_parallel={tp}; pick a"
+                " tensor_parallel that divides them (or pad the vocabulary)."
+            )
+
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """The world's DeviceMesh with named dims ``("pp", "dp", "tp")`` (pp only when > 1).
+
+        Needs an initialized default process group of ``world_size`` ranks.
+        """
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims(world_size={self.world_size}) but the process group has"
+                f" {dist.get_world_size()} ranks."
+            )
+        sizes = {"pp": self.pipeline_parallel, "dp": self.dp, "tp": self.tensor_parallel}
+        names = tuple(name for name in MESH_DIMS if name != "pp" or sizes["pp"] > 1)
+        return init_device_mesh(
+            device_type, tuple(sizes[n] for n in names), mesh_dim_names=names
+        )

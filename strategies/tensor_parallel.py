@@ -1,0 +1,161 @@
+"""Apply a model's declarative tensor/sequence-parallel plan with DTensor.
+
+A model family declares its plan as data (``plugintrain.model_zoo.llama3.tp_plan()``):
+module path pattern -> style name. This module maps each name to a torch
+``ParallelStyle`` and applies it with ``parallelize_module`` on the ``tp`` mesh, following
+Megatron-LM (Shoeybi et al. 2019) for the column/row split and Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", for sequence
+parallelism (SP). The layouts match torchtitan's ``apply_tp`` for Llama:
+
+- without SP, each transformer layer does 2 all-reduces forward (after ``wo`` and ``w2``)
+  and 2 backward (into the attention and MLP inputs);
+- with SP, the residual stream stays sharded over the sequence, and each of those becomes
+  an all-gather (into the column-parallel block) or a reduce-scatter (out of the
+  row-parallel Linear), with no extra collective.
+
+The LM head keeps its logits sharded over the vocabulary, and :func:`vocab_parallel_loss`
+computes the cross-entropy on the shards (``loss_parallel``), never gathering ``(B, T, V)``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+# Styles that exist only to keep activations sharded over the sequence.
+SP_ONLY_STYLES = frozenset({"sequence_parallel", "sequence_scatter"})
+
+
+def _tp_input(sp: bool) -> ParallelStyle:
+    # One replicated DTensor feeds all of a block's column-parallel Linears (q, k, v or
+    # w1, w3), so backward reduces the input gradient once (Megatron's `f` operator), not
+    # once per Linear. With SP the input arrives sequence-sharded and is all-gathered (`g`).
+    # Attention takes (x, rope, input_pos) and the MLP (x,): extra entries are ignored.
+    source = Shard(1) if sp else Replicate()
+    return PrepareModuleInput(
+        input_layouts=(source, None, None), desired_input_layouts=(Replicate(), None, None)
+    )
+
+
+def style(name: str, sequence_parallel: bool) -> ParallelStyle:
+    """The torch ``ParallelStyle`` for a plan's style ``name``.
+
+    Args:
+        name: ``colwise``, ``rowwise``, ``vocab_embedding``, ``vocab_head``, ``tp_input``,
+            ``sequence_parallel`` or ``sequence_scatter``.
+        sequence_parallel: Whether the residual stream is sharded over the sequence.
+
+    Raises:
+        ValueError: On an unknown name.
+    """
+    seq = Shard(1)
+    builders: dict[str, Callable[[], ParallelStyle]] = {
+        "colwise": ColwiseParallel,
+        # Reduce-scatter into sequence shards with SP (Korthikanti et al. §4.2.2), else all-reduce.
+        "rowwise": lambda: RowwiseParallel(output_layouts=seq if sequence_parallel else None),
+        # The embedding output is all-reduced in full even with SP, so GPT-2's learned
+        # positions are added to whole sequences; `sequence_scatter` then splits it locally.
+        "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # Logits stay sharded over the vocabulary as a DTensor for `loss_parallel`.
+        "vocab_head": lambda: ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1),
+            use_local_output=False,
+        ),
+        "tp_input": lambda: _tp_input(sequence_parallel),
+        "sequence_parallel": SequenceParallel,
+        # Replicate -> Shard(1) is a local slice: no communication.
+        "sequence_scatter": lambda: PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
+        ),
+    }
+    if name not in builders:
+        raise ValueError(f"Unknown tensor-parallel style {name!r}; use one of {sorted(builders)}.")
+    return builders[name]()
+
+
+def expand_plan(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
+    """Resolve the plan's ``*`` patterns to the model's module paths, in plan order.
+
+    SP-only styles are dropped without sequence parallelism (those modules stay replicated).
+
+    Raises:
+        ValueError: If a pattern matches no module (a typo would silently skip sharding).
+    """
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, str] = {}
+    for pattern, name in plan.items():
+        matches = fnmatch.filter(names, pattern)
+        if not matches:
+            raise ValueError(f"Tensor-parallel plan entry {pattern!r} matches no module.")
+        if name in SP_ONLY_STYLES and not sequence_parallel:
+            continue
+        resolved.update(dict.fromkeys(matches, name))
+    return resolved
+
+
+def apply_tensor_parallel(
+    model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, sequence_parallel: bool
+) -> nn.Module:
+    """Shard ``model`` in place over ``tp_mesh`` by ``plan``; weights come from tp rank 0.
+
+    A weight tied between the embedding and the head (both split over the vocabulary) is
+    re-tied afterwards: distributing replaces each module's parameter on its own.
+
+    Args:
+        model: A single-device :class:`~plugintrain.model_zoo.Transformer`.
+        plan: Module path pattern -> style name (the family's ``tp_plan()``).
+        tp_mesh: The one-dimensional tensor-parallel mesh.
+        sequence_parallel: Shard norms and dropout over the sequence (Megatron-style SP).
+    """
+    tied = _tied_head(model)
+    resolved = expand_plan(model, plan, sequence_parallel)
+    styles = {path: style(name, sequence_parallel) for path, name in resolved.items()}
+    parallelize_module(model, tp_mesh, styles)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def _tied_head(model: nn.Module) -> bool:
+    embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    return embedding is not None and head is not None and head.weight is embedding.weight
+
+
+def vocab_parallel_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable:
+    """Wrap ``loss_fn(logits, targets)`` to run on vocabulary-sharded DTensor logits.
+
+    Inside ``loss_parallel`` torch's cross-entropy reduces the max, the sum of exponentials
+    and the target logit over the tp group (three small all-reduces, Megatron's
+    ``vocab_parallel_cross_entropy``) instead of gathering the ``(B, T, V)`` logits. The
+    backward pass must also run under :func:`loss_parallel_backward`.
+    """
+
+    def wrapped(logits: Tensor, targets: Tensor) -> Tensor:
+        with loss_parallel():
+            loss = loss_fn(logits, targets)
+        # The mean loss is replicated: a plain tensor for logging and metrics.
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    return wrapped
+
+
+@contextmanager
+def loss_parallel_backward() -> Iterator[None]:
+    """The context the backward pass of :func:`vocab_parallel_loss` needs."""
+    with loss_parallel():
+        yield
