@@ -9,8 +9,12 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 from torchmetrics import Metric
 
+from plugintrain.model_zoo import gpt2, llama3
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.transformer import Transformer
+
+# Model family -> its declarative tensor/sequence-parallel plan.
+_TP_PLANS = {"gpt2": gpt2.tp_plan, "llama3": llama3.tp_plan}
 
 
 class Perplexity(Metric):
@@ -111,6 +115,11 @@ class CausalLM(L.LightningModule):
         if self.model is not None:
             return
         self.model = Transformer(self.config)
+
+    def tp_plan(self) -> dict[str, str]:
+        """The family's tensor-parallel plan, keyed by paths under this module (``model.*``)."""
+        plan = _TP_PLANS[self.config.family]()
+        return {f"model.{pattern}": style for pattern, style in plan.items()}
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`."""

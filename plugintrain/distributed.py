@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,13 @@ def _distinct_shards(tensor: DTensor) -> int:
     if any(placement.is_partial() for placement in placements):
         raise ValueError(f"Gradient has pending Partial placements {placements}; reduce it first.")
     mesh = tensor.device_mesh
-    return math.prod(mesh.size(dim) for dim, p in enumerate(placements) if p.is_shard())
+    return math.prod(mesh.size(dim) for dim, p in enumerate(placements) if _splits(p))
+
+
+def _splits(placement: Placement) -> bool:
+    # FSDP2 over a tensor-parallel dim shards with `_StridedShard`, which `is_shard()`
+    # does not report (torch 2.13): it still splits the tensor across that mesh dim.
+    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def _pieces(parameters: Iterable[Tensor], world_size: int) -> Iterator[GradientPiece]:

@@ -1,7 +1,7 @@
 """Lightning strategies for plugintrain (installed as plugintrain.strategies).
 
-Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``zero2``
-and ``parameter_server`` with Lightning's ``StrategyRegistry``, so
+Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``zero2``,
+``parameter_server`` and ``hybrid`` with Lightning's ``StrategyRegistry``, so
 ``Trainer(strategy="zero2")`` and ``trainer.strategy: zero2`` in a recipe work.
 """
 
@@ -17,9 +17,16 @@ from plugintrain.strategies.grad_engine import (
     optimizer_state_bytes,
     register_elementwise_optimizer,
 )
+from plugintrain.strategies.hybrid import (
+    HybridParallelStrategy,
+    hybrid_gradient_layout,
+    parallelize,
+)
+from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
 from plugintrain.strategies.zero import ParameterServerStrategy, ZeroStrategy
 
-for _strategy in (ZeroStrategy, ParameterServerStrategy):
+for _strategy in (ZeroStrategy, ParameterServerStrategy, HybridParallelStrategy):
     _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
@@ -27,10 +34,16 @@ __all__ = [
     "PARAMETER_SERVER",
     "STAGES",
     "GradientEngine",
+    "HybridParallelStrategy",
+    "ParallelDims",
     "ParameterServerStrategy",
     "Stage",
     "ZeroStrategy",
+    "apply_tensor_parallel",
     "check_shardable",
+    "hybrid_gradient_layout",
     "optimizer_state_bytes",
+    "parallelize",
     "register_elementwise_optimizer",
+    "vocab_parallel_loss",
 ]

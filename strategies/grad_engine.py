@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
@@ -121,7 +122,7 @@ def assign_buckets(params: list[Tensor], bucket_size_mb: float) -> list[list[int
         if not indices:
             buckets.append(indices)
         indices.append(index)
-        size += param.numel() * param.element_size()
+        size += _local(param).numel() * param.element_size()
         open_by_dtype[param.dtype] = ([], 0) if size >= limit else (indices, size)
     return buckets
 
@@ -360,7 +361,7 @@ class GradientEngine:
         return [bucket.params.numel() for bucket in self._buckets]
 
     def _build_bucket(self, named: list[tuple[str, Tensor]]) -> _Bucket:
-        numel = sum(param.numel() for _, param in named)
+        numel = sum(_local(param).numel() for _, param in named)
         first = named[0][1]
         flat = torch.zeros(
             padded_numel(numel, self.world_size), dtype=first.dtype, device=first.device
@@ -368,11 +369,12 @@ class GradientEngine:
         bucket = _Bucket(params=flat, owned=self._scheme.owned(flat.numel()))
         offset = 0
         for name, param in named:
-            view = flat[offset : offset + param.numel()]
-            view.copy_(param.detach().reshape(-1))
-            param.data = view.view_as(param)
+            local = _local(param)
+            view = flat[offset : offset + local.numel()]
+            view.copy_(local.detach().reshape(-1))
+            local.data = view.view_as(local)
             bucket.slots.append(self._make_slot(name, param, bucket, offset))
-            offset += param.numel()
+            offset += local.numel()
         if self._scheme.frees_grads and bucket.owned[1] > bucket.owned[0]:
             bucket.shard_grads = torch.zeros(
                 bucket.owned[1] - bucket.owned[0], dtype=flat.dtype, device=flat.device
@@ -381,9 +383,10 @@ class GradientEngine:
 
     @staticmethod
     def _make_slot(name: str, param: Tensor, bucket: _Bucket, offset: int) -> _Slot:
-        slot = _Slot(name, param, bucket, offset, param.numel())
+        numel = _local(param).numel()
+        slot = _Slot(name, param, bucket, offset, numel)
         lo = max(offset, bucket.owned[0])
-        hi = min(offset + param.numel(), bucket.owned[1])
+        hi = min(offset + numel, bucket.owned[1])
         if lo < hi:
             slot.shard = nn.Parameter(bucket.params[lo:hi])
             slot.shard_offset = lo
@@ -406,7 +409,8 @@ class GradientEngine:
         slot = self._slots[param]
         bucket = slot.bucket
         assert param.grad is not None
-        bucket.grad_buffer()[slot.offset : slot.offset + slot.numel].add_(param.grad.reshape(-1))
+        grad = _local_grad(param)
+        bucket.grad_buffer()[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
         param.grad = None
         if not self._sync_grads:
             return
@@ -502,6 +506,10 @@ class GradientEngine:
             )
         return slot
 
+    def parameter_of(self, shard: Tensor) -> Tensor:
+        """The model parameter that ``shard`` (a parameter the optimizer steps) is a slice of."""
+        return self._by_shard[shard].param
+
     def sync_params(self) -> None:
         """Bring every rank's model up to date after the owners stepped their shards."""
         works = [self._scheme.sync_params(bucket) for bucket in self._buckets]
@@ -540,7 +548,7 @@ class GradientEngine:
                 for slot in bucket.slots if full is not None else ():
                     if (key, dtype) in meta.get(slot.name, ({}, set()))[1]:
                         piece = full[slot.offset : slot.offset + slot.numel]
-                        state[slot.name][key] = piece.view_as(slot.param).clone()
+                        state[slot.name][key] = piece.view_as(_local(slot.param)).clone()
         if self._scheme.rank != 0:
             return {}
         groups = [
@@ -635,6 +643,28 @@ class GradientEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _local(param: Tensor) -> Tensor:
+    """The tensor holding ``param``'s data on this rank: a DTensor's local shard, else itself.
+
+    The engine buckets and reduces local shards, so it runs on a tensor-parallel model's
+    ``dp`` group: each data-parallel group holds the same shard of every parameter.
+    """
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _local_grad(param: Tensor) -> Tensor:
+    """``param.grad`` as a local tensor laid out like the parameter's local shard.
+
+    A replicated DTensor parameter used on sequence shards (sequence-parallel norm
+    weights) gets a ``Partial`` gradient; redistributing sums it over the tp group, which
+    is Megatron-LM's all-reduce of sequence-parallel layernorm gradients.
+    """
+    grad = param.grad
+    if not isinstance(grad, DTensor):
+        return grad
+    return grad.redistribute(param.device_mesh, param.placements).to_local()
 
 
 def _state_by_name(state_dict: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:

@@ -10,12 +10,13 @@ dimensions hand out sub-meshes and process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from plugintrain.model_zoo import TransformerConfig
+if TYPE_CHECKING:
+    from plugintrain.model_zoo import TransformerConfig
 
 # Outermost first: pipeline stages talk least, tensor-parallel ranks most, so tp is the
 # innermost (fastest-varying, same-node) dimension, as in Megatron-LM and torchtitan.
@@ -34,7 +35,7 @@ class ParallelDims:
     world_size: int
     """Total number of ranks (``nodes x processes per node``)."""
     data_parallel: int | Literal["auto"] = "auto"
-    """Data-parallel replicas; ``"auto"`` is ``world_size / (tensor_parallel * pipeline_parallel)``."""
+    """Replicas; ``"auto"``: ``world_size / (tensor_parallel * pipeline_parallel)``."""
     tensor_parallel: int = 1
     """Ranks that split each layer's weights (Megatron-LM tensor parallelism)."""
     sequence_parallel: bool = False
@@ -160,6 +161,4 @@ class ParallelDims:
             )
         sizes = {"pp": self.pipeline_parallel, "dp": self.dp, "tp": self.tensor_parallel}
         names = tuple(name for name in MESH_DIMS if name != "pp" or sizes["pp"] > 1)
-        return init_device_mesh(
-            device_type, tuple(sizes[n] for n in names), mesh_dim_names=names
-        )
+        return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)

@@ -20,8 +20,7 @@ computes the cross-entropy on the shards (``loss_parallel``), never gathering ``
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,15 +39,22 @@ from torch.distributed.tensor.parallel import (
 SP_ONLY_STYLES = frozenset({"sequence_parallel", "sequence_scatter"})
 
 
+class _FirstInput(PrepareModuleInput):
+    """``PrepareModuleInput`` for the first positional input, whatever the module's arity.
+
+    Attention takes ``(x, rope, input_pos)`` and the MLP ``(x,)``; one style serves both.
+    """
+
+    def _prepare_input_fn(self, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+        return (*super()._prepare_input_fn(inputs[:1], device_mesh), *inputs[1:])
+
+
 def _tp_input(sp: bool) -> ParallelStyle:
     # One replicated DTensor feeds all of a block's column-parallel Linears (q, k, v or
     # w1, w3), so backward reduces the input gradient once (Megatron's `f` operator), not
     # once per Linear. With SP the input arrives sequence-sharded and is all-gathered (`g`).
-    # Attention takes (x, rope, input_pos) and the MLP (x,): extra entries are ignored.
     source = Shard(1) if sp else Replicate()
-    return PrepareModuleInput(
-        input_layouts=(source, None, None), desired_input_layouts=(Replicate(), None, None)
-    )
+    return _FirstInput(input_layouts=(source,), desired_input_layouts=(Replicate(),))
 
 
 def style(name: str, sequence_parallel: bool) -> ParallelStyle:
@@ -142,7 +148,7 @@ def vocab_parallel_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable
     Inside ``loss_parallel`` torch's cross-entropy reduces the max, the sum of exponentials
     and the target logit over the tp group (three small all-reduces, Megatron's
     ``vocab_parallel_cross_entropy``) instead of gathering the ``(B, T, V)`` logits. The
-    backward pass must also run under :func:`loss_parallel_backward`.
+    backward pass must also run under ``loss_parallel()``.
     """
 
     def wrapped(logits: Tensor, targets: Tensor) -> Tensor:
@@ -152,10 +158,3 @@ def vocab_parallel_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
     return wrapped
-
-
-@contextmanager
-def loss_parallel_backward() -> Iterator[None]:
-    """The context the backward pass of :func:`vocab_parallel_loss` needs."""
-    with loss_parallel():
-        yield

@@ -68,7 +68,11 @@ def main() -> None:
         block_size=SEQ,
     )
     model = CausalLM(
-        config, functools.partial(torch.optim.AdamW, lr=3e-3), warmup_steps=0, lr_decay_steps=8, min_lr_ratio=1.0
+        config,
+        functools.partial(torch.optim.AdamW, lr=3e-3),
+        warmup_steps=0,
+        lr_decay_steps=8,
+        min_lr_ratio=1.0,
     )
     recorder = _LossRecorder()
     # Epoch-end checkpoints: Lightning restarts a plain DataLoader's epoch from its first

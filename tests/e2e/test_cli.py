@@ -120,15 +120,7 @@ def test_precision_set_twice_is_refused(shakespeare_gpt2: Path) -> None:
 @pytest.fixture(scope="module")
 def gpt2_run(shakespeare_gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-step fit of the GPT-2 CPU recipe; returns its log version directory."""
-    runs = tmp_path_factory.mktemp("runs")
-    run_cli(
-        "fit", "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
-        f"--data.init_args.data_dir={shakespeare_gpt2}",
-        f"--trainer.logger.init_args.save_dir={runs}",
-        "--trainer.max_steps=4", *FAST,
-        cwd=REPO,
-    )  # fmt: skip
-    return runs / "gpt2_debug_shakespeare_cpu" / "version_0"
+    return _fit_gpt2(shakespeare_gpt2, tmp_path_factory.mktemp("runs"), 4)
 
 
 def test_fit_writes_logs_config_and_checkpoints(gpt2_run: Path) -> None:
@@ -142,19 +134,29 @@ def test_fit_writes_logs_config_and_checkpoints(gpt2_run: Path) -> None:
     assert ckpt["global_step"] == 4
 
 
-def test_resume_from_last_continues_where_it_stopped(
-    gpt2_run: Path, shakespeare_gpt2: Path, tmp_path: Path
-) -> None:
+def _fit_gpt2(data_dir: Path, save_dir: Path, max_steps: int, *extra: str) -> Path:
     run_cli(
         "fit", "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
-        f"--data.init_args.data_dir={shakespeare_gpt2}",
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.max_steps=6", *FAST,
-        f"--ckpt_path={gpt2_run / 'checkpoints' / 'last.ckpt'}",
+        f"--data.init_args.data_dir={data_dir}",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        f"--trainer.max_steps={max_steps}", "--model.init_args.lr_decay_steps=6",
+        *FAST, *extra,
         cwd=REPO,
     )  # fmt: skip
-    resumed = tmp_path / "gpt2_debug_shakespeare_cpu" / "version_0"
-    assert sorted(_scalars(resumed, "train_loss")) == [4, 5]
+    return save_dir / "gpt2_debug_shakespeare_cpu" / "version_0"
+
+
+def test_resume_from_last_equals_an_uninterrupted_run(
+    gpt2_run: Path, shakespeare_gpt2: Path, tmp_path: Path
+) -> None:
+    last = gpt2_run / "checkpoints" / "last.ckpt"
+    resumed = _fit_gpt2(shakespeare_gpt2, tmp_path / "resumed", 6, f"--ckpt_path={last}")
+    uninterrupted = _fit_gpt2(shakespeare_gpt2, tmp_path / "uninterrupted", 6)
+    # Same weights, optimizer state, LR schedule and data position: the same losses.
+    after_resume = _scalars(resumed, "train_loss")
+    assert sorted(after_resume) == [4, 5]
+    expected = _scalars(uninterrupted, "train_loss")
+    assert after_resume == pytest.approx({s: expected[s] for s in (4, 5)}, rel=1e-6)
     ckpt = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 6
 

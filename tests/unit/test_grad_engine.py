@@ -195,3 +195,32 @@ def test_mismatched_param_groups_are_refused() -> None:
     saved = {"state": {}, "param_groups": [optimizer.param_groups[0]] * 2}
     with pytest.raises(ValueError, match="checkpoint has 2 optimizer param groups, the"):
         engine.load_optimizer_state_dict(optimizer, saved)
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize(("overlap", "launched_in_backward"), [(True, 2), (False, 0)])
+def test_overlap_launches_buckets_from_the_gradient_hooks(
+    overlap: bool, launched_in_backward: int
+) -> None:
+    model = _mlp()
+    engine = GradientEngine(
+        model.named_parameters(), stage=2, bucket_size_mb=1 / 16384, overlap_comm=overlap
+    )
+    events: list[str] = []
+    reduce, finish = engine._scheme.reduce, engine.finish_grad_sync
+    engine._scheme.reduce = lambda bucket: events.append("reduce") or reduce(bucket)
+    engine.finish_grad_sync = lambda: events.append("finish") or finish()
+    model(torch.randn(4, 5)).sum().backward()
+    assert events.index("finish") == launched_in_backward
+    assert events.count("reduce") == engine.num_buckets
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_block_backward_sync_accumulates_without_communicating() -> None:
+    model = _mlp()
+    strategy = ZeroStrategy(stage=2, bucket_size_mb=1 / 16384)
+    strategy._engine = GradientEngine(model.named_parameters(), stage=2, bucket_size_mb=1 / 16384)
+    with strategy.block_backward_sync():
+        model(torch.randn(4, 5)).sum().backward()
+    assert strategy.engine.grad_bytes() > strategy.engine._buckets[0].shard_grads.numel() * 4
+    assert all(bucket.work is None for bucket in strategy.engine._buckets)

@@ -1,0 +1,356 @@
+"""HybridParallelStrategy: tensor (+ sequence) x data parallelism on one DeviceMesh.
+
+The strategy applies parallelism from outside the model in torchtitan's order
+(``models/llama3/infra/parallelize.py``): first the model's tensor-parallel plan on
+``mesh["tp"]`` (:mod:`plugintrain.strategies.tensor_parallel`), then data parallelism on
+``mesh["dp"]``: our :class:`~plugintrain.strategies.GradientEngine` for ZeRO stage 0/1/2
+(bucketed all-reduce or reduce-scatter of the DTensors' local shards), or torch FSDP2
+``fully_shard`` for stage 3. Lightning's ``ModelParallelStrategy`` supplies process
+launch, the distributed sampler and torch.distributed.checkpoint (DCP) directories.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Generator, Iterable
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from plugintrain.distributed import GradientLayout, GradientPiece, default_gradient_layout
+from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
+
+# Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
+_BLOCK = re.compile(r"(.*\.)?layers\.\d+")
+
+
+def parallelize(
+    module: nn.Module,
+    plan: dict[str, str] | None,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    bucket_size_mb: float = 25.0,
+    overlap_comm: bool = True,
+    data_parallel: bool = True,
+) -> GradientEngine | None:
+    """Apply TP(+SP), then data parallelism, to ``module`` in place.
+
+    Args:
+        module: The model (or the LightningModule holding it); ``plan`` paths are relative
+            to it.
+        plan: Module path pattern -> style name; None or empty when ``tensor_parallel == 1``.
+        dims: The degrees.
+        mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
+        bucket_size_mb: Gradient bucket size of the engine (ZeRO stage 0/1/2).
+        overlap_comm: Reduce buckets during backward (ZeRO stage 0/1/2).
+        data_parallel: False applies tensor parallelism only (evaluation: no gradients).
+
+    Returns:
+        The gradient engine for ZeRO stage 0/1/2 (attach the optimizer to it); None for
+        FSDP2 (stage 3), whose optimizer steps the module's own sharded parameters, and
+        without ``data_parallel``.
+    """
+    if dims.tp_enabled:
+        if not plan:
+            raise ValueError(
+                f"tensor_parallel={dims.tensor_parallel} needs a tensor-parallel plan, but"
+                f" {type(module).__name__} declares none (a `tp_plan()` method)."
+            )
+        apply_tensor_parallel(module, plan, mesh["tp"], dims.sequence_parallel)
+    if not data_parallel:
+        return None
+    if dims.fsdp_enabled:
+        _fully_shard(module, mesh["dp"])
+        return None
+    return GradientEngine(
+        module.named_parameters(),
+        process_group=mesh["dp"].get_group(),
+        stage=dims.zero_stage,
+        bucket_size_mb=bucket_size_mb,
+        overlap_comm=overlap_comm,
+    )
+
+
+def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+    blocks = [m for name, m in module.named_modules() if _BLOCK.fullmatch(name)]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)  # the rest: embeddings, final norm, (tied) head
+
+
+def tp_replicas(param: Tensor, tp: int) -> int:
+    """How many tp ranks hold the same local piece of ``param``."""
+    if not isinstance(param, DTensor):
+        return tp
+    mesh, placements = param.device_mesh, param.placements
+    names = mesh.mesh_dim_names or ()
+    shards = math.prod(
+        mesh.size(i) for i, p in enumerate(placements) if p.is_shard() and names[i] == "tp"
+    )
+    return tp // shards
+
+
+def hybrid_gradient_layout(
+    parameters: Iterable[Tensor], engine: GradientEngine | None, tensor_parallel: int
+) -> GradientLayout:
+    """The layout of the gradients an optimizer steps, over the whole tp x dp world.
+
+    With the engine, a shard's gradient is replicated over the dp group at stage 0 (once
+    at stage 1/2) and over the tp ranks that hold the same piece of its parameter; FSDP2
+    gradients are DTensors on the 2-D mesh, which the default layout counts directly.
+
+    Args:
+        parameters: The parameters an optimizer steps.
+        engine: The gradient engine (ZeRO stage 0/1/2), or None (FSDP2).
+        tensor_parallel: The tp degree.
+    """
+    if engine is None:
+        return default_gradient_layout(parameters)
+    params = [p for p in parameters if p.grad is not None]
+    local = engine.gradient_layout(params)
+    pieces = [
+        GradientPiece(
+            piece.grad, piece.replicas * tp_replicas(engine.parameter_of(p), tensor_parallel)
+        )
+        for piece, p in zip(local.pieces, params, strict=True)
+    ]
+    return GradientLayout(group=dist.group.WORLD, pieces=pieces, device=local.device)
+
+
+class HybridParallelStrategy(ModelParallelStrategy):
+    """Tensor (+ sequence) parallelism x data parallelism with ZeRO stage 0/1/2 or FSDP2.
+
+    Registered as ``hybrid``. The LightningModule builds a single-device model in
+    ``configure_model`` and declares its plan with ``tp_plan()`` (see
+    :class:`~plugintrain.model_zoo.CausalLM`); a ``loss_fn(logits, targets)`` method is
+    wrapped into a vocabulary-parallel cross-entropy. Each dp rank reads its own batches;
+    the tp ranks of one group read the same. Metrics are averaged over the world, which
+    equals the dp average because tp ranks hold identical losses.
+
+    Checkpoints are DCP directories at the checkpoint path. Model weights reload under
+    any layout; with ZeRO stage 0/1/2 each rank saves its own optimizer shard, so the
+    optimizer resumes under the same layout (stage 3 reshards through torch's
+    ``get_optimizer_state_dict``).
+
+    Args:
+        data_parallel: Data-parallel degree; ``"auto"``: world size / (tp x pp).
+        tensor_parallel: Ranks that split every layer (and the vocabulary).
+        sequence_parallel: Shard norms and dropout over the sequence (needs tp > 1).
+        pipeline_parallel: Pipeline stages; only 1 is supported by this strategy yet.
+        virtual_pipeline_parallel: Model chunks per pipeline rank; only 1 yet.
+        expert_parallel: Expert-parallel degree; only 1 yet.
+        zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
+            3 also parameters (torch FSDP2).
+        bucket_size_mb: Gradient bucket size for ZeRO stage 0/1/2.
+        overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
+        timeout: Timeout of the process group's collectives.
+    """
+
+    strategy_name = "hybrid"
+
+    def __init__(
+        self,
+        data_parallel: int | Literal["auto"] = "auto",
+        tensor_parallel: int = 1,
+        sequence_parallel: bool = False,
+        pipeline_parallel: int = 1,
+        virtual_pipeline_parallel: int = 1,
+        expert_parallel: int = 1,
+        zero_stage: int = 0,
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel,
+            tensor_parallel_size=tensor_parallel,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        unsupported = {
+            "pipeline_parallel": pipeline_parallel,
+            "virtual_pipeline_parallel": virtual_pipeline_parallel,
+            "expert_parallel": expert_parallel,
+        }
+        if any(value != 1 for value in unsupported.values()):
+            raise ValueError(
+                f"HybridParallelStrategy supports tp x dp only; got {unsupported}. Set them to 1."
+            )
+        self.degrees: dict[str, Any] = {
+            "data_parallel": data_parallel,
+            "tensor_parallel": tensor_parallel,
+            "sequence_parallel": sequence_parallel,
+            "zero_stage": zero_stage,
+        }
+        ParallelDims(world_size=tensor_parallel * _int_or(data_parallel, 1), **self.degrees)
+        self.bucket_size_mb = bucket_size_mb
+        self.overlap_comm = overlap_comm
+        self.parallel_dims: ParallelDims | None = None
+        self._engine: GradientEngine | None = None
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The validated degrees (after ``setup_environment``)."""
+        if self.parallel_dims is None:
+            raise RuntimeError("The parallel layout is known once processes have started.")
+        return self.parallel_dims
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Validate the layout against the real world size before spawning anything.
+        ParallelDims(world_size=self.num_nodes * self.num_processes, **self.degrees)
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self.parallel_dims = ParallelDims(world_size=self.world_size, **self.degrees)
+        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # Build the full model on the device with its own seeded init (not on the meta
+        # device as ModelParallelStrategy does, whose materialization would skip
+        # Transformer.init_weights): the plan then distributes tp rank 0's weights, and the
+        # engine or FSDP2 dp rank 0's, so a run starts from the single-process weights.
+        with super(ModelParallelStrategy, self).tensor_init_context(empty_init=False):
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None
+        self._validate_model(module, trainer)
+        self._engine = self._parallelize(module, trainer.state.fn == TrainerFn.FITTING)
+        if self.dims.tp_enabled and hasattr(module, "loss_fn"):
+            module.loss_fn = vocab_parallel_loss(module.loss_fn)
+        super().setup(trainer)
+        if self._engine is not None:
+            for optimizer in self.optimizers:
+                self._engine.attach(_unwrap(optimizer))
+
+    def _validate_model(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+        config = getattr(module, "config", None)
+        if config is not None:
+            seq_len = getattr(trainer.datamodule, "seq_len", None)
+            self.dims.validate_model(config, seq_len)
+
+    def _parallelize(self, module: pl.LightningModule, fitting: bool) -> GradientEngine | None:
+        plan = module.tp_plan() if hasattr(module, "tp_plan") else None
+        mesh, dims = self.device_mesh, self.dims
+        return parallelize(
+            module, plan, dims, mesh, self.bucket_size_mb, self.overlap_comm, data_parallel=fitting
+        )
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        # The vocabulary-parallel cross-entropy's backward runs under the same context.
+        with loss_parallel() if self.dims.tp_enabled else nullcontext():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with self._engine.no_sync() if self._engine is not None else nullcontext():
+            yield
+
+    def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
+        """Each gradient piece with its replica count over the whole tp x dp world."""
+        return hybrid_gradient_layout(parameters, self._engine, self.dims.tensor_parallel)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._engine is None:
+            return super().optimizer_state(optimizer)
+        # Each rank saves its own shard's state; DCP stores it as an opaque byte stream.
+        buffer = io.BytesIO()
+        torch.save(_unwrap(optimizer).state_dict(), buffer)
+        buffer.seek(0)
+        return {self._shard_key(): buffer}
+
+    def _shard_key(self) -> str:
+        return f"rank{self.global_rank}_of{self.world_size}"
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: str | Path, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if self._engine is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
+        state.update(
+            {
+                f"optimizer_{i}": {self._shard_key(): io.BytesIO()}
+                for i in range(len(self.optimizers))
+            }
+        )
+        dcp.load(state, checkpoint_id=path)
+        self.model.load_state_dict(state["state_dict"])
+        for i, optimizer in enumerate(self.optimizers):
+            buffer = state[f"optimizer_{i}"][self._shard_key()]
+            buffer.seek(0)
+            _unwrap(optimizer).load_state_dict(torch.load(buffer, weights_only=True))
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="tensor (+ sequence) x data parallelism with ZeRO 0-3 on a DeviceMesh",
+        )
+
+
+def _int_or(value: int | str, default: int) -> int:
+    return value if isinstance(value, int) else default
+
+
+def _unwrap(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

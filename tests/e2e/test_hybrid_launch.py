@@ -1,0 +1,142 @@
+"""End to end: the hybrid recipe (dp=2 x tp=2 with SP and ZeRO-1) through the real CLI.
+
+Launches of the same recipe on 4 CPU processes: ``--trainer.devices 4`` on one machine
+(uninterrupted, keeping every checkpoint), a resume of its step-2 DCP checkpoint, and a
+simulated two-node ``torchrun`` (two commands, ``--nnodes 2 --node_rank 0|1``, 2
+processes each, c10d rendezvous on 127.0.0.1): losses must agree across all of them.
+A single-process fit on the same global batches must end with the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from _cli import RECIPES, REPO, run_cli
+
+RECIPE = RECIPES / "llama3_debug_hybrid_cpu.yaml"
+NAME = "llama3_debug_hybrid_cpu"
+STEPS = 4
+FAST = (
+    "--data.init_args.seq_len=32",
+    "--data.init_args.batch_size=2",
+    "--trainer.limit_val_batches=0",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.enable_progress_bar=false",
+    "--checkpoint.every_n_train_steps=2",
+    "--checkpoint.save_top_k=-1",
+    "--throughput.window_size=2",
+)
+
+
+def _losses(save_dir: Path) -> dict[int, float]:
+    events = EventAccumulator(str(save_dir / NAME / "version_0"))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("train_loss")}
+
+
+def _fit_args(data_dir: Path, save_dir: Path, *extra: str, recipe: Path = RECIPE) -> list[str]:
+    return [
+        "fit", "--config", str(recipe),
+        f"--data.init_args.data_dir={data_dir}",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        f"--trainer.max_steps={STEPS}", *FAST, *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single_node(shakespeare_llama3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 4-process run (``--trainer.devices 4``); returns its save dir."""
+    save_dir = tmp_path_factory.mktemp("hybrid_single")
+    run_cli(*_fit_args(shakespeare_llama3, save_dir), cwd=REPO)
+    return save_dir
+
+
+def test_devices_4_trains_and_writes_dcp_checkpoints(single_node: Path) -> None:
+    losses = _losses(single_node)
+    assert sorted(losses) == list(range(STEPS))
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    last = single_node / NAME / "version_0" / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and (last / ".metadata").is_file()
+    assert len(list(last.glob("*.distcp"))) == 4  # every rank wrote its shard
+
+
+def test_resume_equals_uninterrupted_run(
+    single_node: Path, shakespeare_llama3: Path, tmp_path: Path
+) -> None:
+    ckpt = single_node / NAME / "version_0" / "checkpoints" / "epoch=0-step=2.ckpt"
+    run_cli(*_fit_args(shakespeare_llama3, tmp_path, f"--ckpt_path={ckpt}"), cwd=REPO)
+    resumed, uninterrupted = _losses(tmp_path), _losses(single_node)
+    assert sorted(resumed) == [2, 3]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
+
+
+def test_two_node_torchrun_equals_single_node(
+    single_node: Path, shakespeare_llama3: Path, tmp_path: Path
+) -> None:
+    port = _free_port()
+    args = _fit_args(shakespeare_llama3, tmp_path, "--trainer.devices=2", "--trainer.num_nodes=2")
+    nodes = [_torchrun_node(rank, port, args, tmp_path) for rank in (0, 1)]
+    for node, log in nodes:
+        code = node.wait(timeout=600)
+        assert code == 0, log.read_text()
+    two_node, single = _losses(tmp_path), _losses(single_node)
+    assert sorted(two_node) == sorted(single)
+    for step, loss in two_node.items():
+        assert loss == pytest.approx(single[step], rel=1e-5)
+
+
+def test_weights_match_single_process_fit(
+    single_node: Path, shakespeare_llama3: Path, tmp_path: Path
+) -> None:
+    """dp=2 x tp=2 on per-rank batches of 2 equals one process on batches of 4."""
+    single_recipe = RECIPES / "llama3_debug_shakespeare_cpu.yaml"
+    batch = "--data.init_args.batch_size=4"
+    run_cli(*_fit_args(shakespeare_llama3, tmp_path, batch, recipe=single_recipe), cwd=REPO)
+    single = torch.load(
+        tmp_path / "llama3_debug_shakespeare_cpu" / "version_0" / "checkpoints" / "last.ckpt",
+        weights_only=True,
+    )["state_dict"]
+    hybrid = _dcp_state_dict(
+        single_node / NAME / "version_0" / "checkpoints" / "last.ckpt", tmp_path
+    )
+    assert set(hybrid) <= set(single)
+    for name, weight in hybrid.items():
+        torch.testing.assert_close(weight, single[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _dcp_state_dict(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, tmp_path / "hybrid_full.pt")
+    return torch.load(tmp_path / "hybrid_full.pt", weights_only=True)["state_dict"]
+
+
+def _torchrun_node(
+    node_rank: int, port: int, args: list[str], tmp_path: Path
+) -> tuple[subprocess.Popen, Path]:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [
+        str(torchrun), "--nnodes=2", f"--node_rank={node_rank}", "--nproc_per_node=2",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=hybrid-e2e",
+        "-m", "plugintrain", *args,
+    ]  # fmt: skip
+    log = tmp_path / f"node{node_rank}.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return proc, log
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
