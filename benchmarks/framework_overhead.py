@@ -15,28 +15,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any
 
-import lightning as L
 import torch
 
 from plugintrain.cli import PluginTrainCLI
 
-
-class _StepTimer(L.Callback):
-    """Wall time from the start of step ``warmup`` to the end of the last step."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start: float | None = None
-        self.end: float | None = None
-
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.warmup and self.start is None:
-            self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.end = time.perf_counter()
+from _timing import StepTimer
 
 
 def _cli(recipe: str, steps: int, extra: list[str]) -> PluginTrainCLI:
@@ -55,10 +39,10 @@ def _cli(recipe: str, steps: int, extra: list[str]) -> PluginTrainCLI:
 def run_framework(recipe: str, steps: int, warmup: int, extra: list[str]) -> float:
     """Seconds per step of ``plugintrain fit`` on the recipe."""
     cli = _cli(recipe, steps, extra)
-    timer = _StepTimer(warmup)
+    timer = StepTimer(warmup)
     cli.trainer.callbacks.append(timer)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    return (timer.end - timer.start) / (steps - warmup)
+    return timer.seconds / (steps - warmup)
 
 
 def run_plain(recipe: str, steps: int, warmup: int, extra: list[str]) -> tuple[float, int]:

@@ -12,7 +12,6 @@ slower than fp32; the table shows by how much.
 from __future__ import annotations
 
 import argparse
-import time
 
 import lightning as L
 import torch
@@ -21,23 +20,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from plugintrain.model_zoo import CausalLM
 from plugintrain.precision_plugins import precision_plugin_from_name
 
+from _timing import StepTimer
+
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
-
-
-class _StepTimer(L.Callback):
-    """Wall time of the steps after ``warmup``."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start: float | None = None
-        self.elapsed = 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        if batch_idx == self.warmup:
-            self.start = time.perf_counter()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.elapsed = time.perf_counter() - self.start
 
 
 def tokens_per_second(precision: str, args: argparse.Namespace) -> float:
@@ -47,7 +32,7 @@ def tokens_per_second(precision: str, args: argparse.Namespace) -> float:
     steps = args.warmup + args.steps
     tokens = torch.randint(0, model.vocab_size, (steps * args.batch_size, args.seq_len))
     loader = DataLoader(TensorDataset(tokens, tokens), batch_size=args.batch_size)
-    timer = _StepTimer(args.warmup)
+    timer = StepTimer(args.warmup)
     trainer = L.Trainer(
         accelerator="cpu",
         plugins=[precision_plugin_from_name(precision)],
@@ -59,7 +44,7 @@ def tokens_per_second(precision: str, args: argparse.Namespace) -> float:
         enable_model_summary=False,
     )
     trainer.fit(model, loader)
-    return args.steps * args.batch_size * args.seq_len / timer.elapsed
+    return timer.tokens / timer.seconds
 
 
 def main() -> None:

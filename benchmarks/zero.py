@@ -28,7 +28,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -36,35 +35,14 @@ import plugintrain.strategies  # noqa: F401  (registers the short names)
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.strategies import optimizer_state_bytes
 
+from _timing import StepTimer
+
 CONFIGS = ["ddp", "torch_zero_optimizer", "ddp_bucketed", "zero1", "zero2", "parameter_server"]
 LR = 3e-4
 
 
-class _Meter(Callback):
+class _Meter(StepTimer):
     """Times steps after warm-up, and measures optimizer state and peak memory per rank."""
-
-    def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
-        self.start = 0.0
-        self.tokens = 0
-
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if batch_idx == self.warmup:
-            trainer.strategy.barrier()
-            self.start = time.perf_counter()
-
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-    ) -> None:
-        if batch_idx >= self.warmup:
-            self.tokens += batch[0].numel() * trainer.world_size
 
     def result(self, trainer: L.Trainer) -> dict[str, float]:
         trainer.strategy.barrier()
