@@ -92,6 +92,15 @@ class PluginTrainCLI(LightningCLI):
         self._link_model_to_data(parser, "max_seq_len", _model_max_seq_len)
 
     @override
+    def after_instantiate_classes(self) -> None:
+        # Strategies that can check the model against their layout (hybrid: heads, vocab,
+        # seq_len divisible by tp) do it here, before any process is launched.
+        check_model = getattr(self.trainer.strategy, "check_model", None)
+        if callable(check_model):
+            check_model(self.model, self.datamodule)
+        super().after_instantiate_classes()
+
+    @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         _use_our_precision_plugin(config)
         return super()._instantiate_trainer(config, callbacks)

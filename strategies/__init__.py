@@ -40,10 +40,12 @@ __all__ = [
     "Stage",
     "ZeroStrategy",
     "apply_tensor_parallel",
+    "build_engine",
     "check_shardable",
     "hybrid_gradient_layout",
     "optimizer_state_bytes",
     "parallelize",
     "register_elementwise_optimizer",
+    "shard_model",
     "vocab_parallel_loss",
 ]

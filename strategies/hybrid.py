@@ -42,7 +42,12 @@ from typing_extensions import override
 from plugintrain.distributed import GradientLayout, GradientPiece, default_gradient_layout
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims
-from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
+from plugintrain.strategies.tensor_parallel import (
+    apply_tensor_parallel,
+    retie,
+    shared_parameters,
+    vocab_parallel_loss,
+)
 
 # Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
 _BLOCK = re.compile(r"(.*\.)?layers\.\d+")
@@ -55,7 +60,6 @@ def parallelize(
     mesh: DeviceMesh,
     bucket_size_mb: float = 25.0,
     overlap_comm: bool = True,
-    data_parallel: bool = True,
 ) -> GradientEngine | None:
     """Apply TP(+SP), then data parallelism, to ``module`` in place.
 
@@ -67,12 +71,30 @@ def parallelize(
         mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
         bucket_size_mb: Gradient bucket size of the engine (ZeRO stage 0/1/2).
         overlap_comm: Reduce buckets during backward (ZeRO stage 0/1/2).
-        data_parallel: False applies tensor parallelism only (evaluation: no gradients).
 
     Returns:
         The gradient engine for ZeRO stage 0/1/2 (attach the optimizer to it); None for
-        FSDP2 (stage 3), whose optimizer steps the module's own sharded parameters, and
-        without ``data_parallel``.
+        FSDP2 (stage 3), whose optimizer steps the module's own sharded parameters.
+    """
+    shard_model(module, plan, dims, mesh)
+    return build_engine(module, dims, mesh, bucket_size_mb, overlap_comm)
+
+
+def shard_model(
+    module: nn.Module,
+    plan: dict[str, str] | None,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    fully_shard_dp: bool = True,
+) -> None:
+    """The module-rewriting part of :func:`parallelize`: TP(+SP), then FSDP2 for stage 3.
+
+    Args:
+        module: As in :func:`parallelize`.
+        plan: As in :func:`parallelize`.
+        dims: The degrees.
+        mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
+        fully_shard_dp: Apply FSDP2 when ``zero_stage == 3`` (False for evaluation).
     """
     if dims.tp_enabled:
         if not plan:
@@ -81,10 +103,23 @@ def parallelize(
                 f" {type(module).__name__} declares none (a `tp_plan()` method)."
             )
         apply_tensor_parallel(module, plan, mesh["tp"], dims.sequence_parallel)
-    if not data_parallel:
-        return None
-    if dims.fsdp_enabled:
+    if dims.fsdp_enabled and fully_shard_dp:
         _fully_shard(module, mesh["dp"])
+
+
+def build_engine(
+    module: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    bucket_size_mb: float = 25.0,
+    overlap_comm: bool = True,
+) -> GradientEngine | None:
+    """Our gradient engine on the ``dp`` group for ZeRO stage 0/1/2; None for stage 3.
+
+    Build it last: ``Module.to()`` re-sets the ``.data`` of DTensor parameters, after which
+    their gradient hooks no longer fire.
+    """
+    if dims.fsdp_enabled:
         return None
     return GradientEngine(
         module.named_parameters(),
@@ -255,27 +290,44 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        self._validate_model(module, trainer)
-        self._engine = self._parallelize(module, trainer.state.fn == TrainerFn.FITTING)
+        self.check_model(module, trainer.datamodule)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        plan = module.tp_plan() if hasattr(module, "tp_plan") else None
+        shard_model(module, plan, self.dims, self.device_mesh, fully_shard_dp=fitting)
         if self.dims.tp_enabled and hasattr(module, "loss_fn"):
             module.loss_fn = vocab_parallel_loss(module.loss_fn)
-        super().setup(trainer)
+        super().setup(trainer)  # moves the model, builds the optimizers
+        if fitting:
+            self._setup_engine(module)
+
+    @override
+    def model_to_device(self) -> None:
+        # Module.to() rebuilds DTensor parameters module by module, which unties a shared
+        # weight (the tied embedding and LM head) unless it is re-tied.
+        assert self.model is not None
+        shared = shared_parameters(self.model)
+        super().model_to_device()
+        retie(shared)
+
+    def _setup_engine(self, module: pl.LightningModule) -> None:
+        self._engine = build_engine(
+            module, self.dims, self.device_mesh, self.bucket_size_mb, self.overlap_comm
+        )
         if self._engine is not None:
             for optimizer in self.optimizers:
                 self._engine.attach(_unwrap(optimizer))
 
-    def _validate_model(self, module: pl.LightningModule, trainer: pl.Trainer) -> None:
+    def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
+        """Raise if the model (and the data's ``seq_len``) cannot be split by this layout.
+
+        Needs no process group, so ``plugintrain fit`` calls it before any process is
+        launched: heads, kv-heads, MLP width and vocabulary must divide by tp, and the
+        sequence length too with sequence parallelism.
+        """
         config = getattr(module, "config", None)
         if config is not None:
-            seq_len = getattr(trainer.datamodule, "seq_len", None)
-            self.dims.validate_model(config, seq_len)
-
-    def _parallelize(self, module: pl.LightningModule, fitting: bool) -> GradientEngine | None:
-        plan = module.tp_plan() if hasattr(module, "tp_plan") else None
-        mesh, dims = self.device_mesh, self.dims
-        return parallelize(
-            module, plan, dims, mesh, self.bucket_size_mb, self.overlap_comm, data_parallel=fitting
-        )
+            dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self.degrees)
+            dims.validate_model(config, getattr(datamodule, "seq_len", None))
 
     @override
     def backward(

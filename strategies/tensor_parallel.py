@@ -128,18 +128,32 @@ def apply_tensor_parallel(
         tp_mesh: The one-dimensional tensor-parallel mesh.
         sequence_parallel: Shard norms and dropout over the sequence (Megatron-style SP).
     """
-    tied = _tied_head(model)
+    shared = shared_parameters(model)
     resolved = expand_plan(model, plan, sequence_parallel)
     styles = {path: style(name, sequence_parallel) for path, name in resolved.items()}
     parallelize_module(model, tp_mesh, styles)
-    if tied:
-        model.output.weight = model.tok_embeddings.weight
+    retie(shared)
     return model
 
 
-def _tied_head(model: nn.Module) -> bool:
-    embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    return embedding is not None and head is not None and head.weight is embedding.weight
+SharedParameters = list[list[tuple[nn.Module, str]]]
+
+
+def shared_parameters(model: nn.Module) -> SharedParameters:
+    """Every parameter held by more than one module, as ``(module, attribute)`` groups."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def retie(shared: SharedParameters) -> None:
+    """Point every owner in each group at the first owner's (possibly new) parameter."""
+    for (first, first_name), *others in shared:
+        param = getattr(first, first_name)
+        for module, name in others:
+            setattr(module, name, param)
 
 
 def vocab_parallel_loss(loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Callable:

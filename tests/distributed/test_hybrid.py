@@ -11,8 +11,10 @@ counts collectives per transformer layer with torch's ``CommDebugMode``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,9 +22,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from plugintrain.model_zoo import Transformer, TransformerConfig, gpt2, llama3
+from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig, gpt2, llama3
+from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import (
+    HybridParallelStrategy,
     ParallelDims,
     apply_tensor_parallel,
     hybrid_gradient_layout,
@@ -66,15 +71,9 @@ CASES = [
 
 
 def _config(preset: str, n_layer: int = 2) -> TransformerConfig:
-    # Llama debug keeps GQA (4 query, 2 kv heads): tp=4 then needs 4 kv heads.
-    return (
-        TransformerConfig.from_name(
-            preset, n_layer=n_layer, vocab_size=VOCAB, n_embd=32, block_size=SEQ, n_kv_head=4
-        )
-        if preset.startswith("llama")
-        else TransformerConfig.from_name(
-            preset, n_layer=n_layer, vocab_size=VOCAB, n_embd=32, block_size=SEQ
-        )
+    # n_kv_head=4: Llama debug's 2 kv heads cannot be split 4 ways (GPT-2 has 4 anyway).
+    return TransformerConfig.from_name(
+        preset, n_layer=n_layer, vocab_size=VOCAB, n_embd=32, block_size=SEQ, n_kv_head=4
     )
 
 
@@ -136,9 +135,8 @@ def _full_grads(model: nn.Module) -> dict[str, Tensor]:
 
 def _tp_grads(case: Case, mesh: Any) -> dict[str, Tensor]:
     """First-step gradients of the tensor-parallel model on the whole batch."""
-    dims = ParallelDims(WORLD, tensor_parallel=case.tp, sequence_parallel=case.sp)
     model = _model(case.preset)
-    apply_tensor_parallel(model, PLANS[case.preset], mesh["tp"], dims.sequence_parallel)
+    apply_tensor_parallel(model, PLANS[case.preset], mesh["tp"], case.sp)
     x, y = _batches()[0]
     loss = vocab_parallel_loss(_loss)(model(x), y)
     with loss_parallel():
@@ -206,6 +204,45 @@ def _parity_cases(rank: int, world_size: int, cases: list[Case]) -> dict[Case, d
     return results
 
 
+# Through Lightning: the strategy's own setup, optimizer hooks, sampler and clipping.
+LIGHTNING_CASES = [
+    Case("llama3-debug", tp=2, sp=True, zero_stage=2),
+    Case("gpt2-debug", tp=2, sp=False, zero_stage=3),
+]
+
+
+def _lightning_fit(case: Case, strategy: Any = "auto", dp_rank: int = 0) -> dict[str, Tensor]:
+    """Fit CausalLM for STEPS steps of GLOBAL_BATCH sequences; return the full weights.
+
+    Each of the ``dp = 4 / tp`` replicas reads rows ``dp_rank::dp`` (no shuffling), so one
+    step of all replicas covers the single process's batch.
+    """
+    L.seed_everything(0, verbose=False)
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-2, eps=1e-5)
+    module = CausalLM(_config(case.preset), optimizer, warmup_steps=0, min_lr_ratio=1.0)
+    data = TensorDataset(*(torch.cat(parts) for parts in zip(*_batches(), strict=True)))
+    dp = 1 if strategy == "auto" else WORLD // case.tp
+    sampler = DistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1 if strategy == "auto" else WORLD, strategy=strategy,
+        plugins=[FP32Precision()], max_steps=STEPS, gradient_clip_val=0.5,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // dp, sampler=sampler))
+    return {n: _full(p.detach()).clone() for n, p in module.named_parameters()}
+
+
+def _lightning_cases(rank: int, world_size: int, cases: list[Case]) -> dict[Case, dict]:
+    results = {}
+    for case in cases:
+        strategy = HybridParallelStrategy(
+            tensor_parallel=case.tp, sequence_parallel=case.sp, zero_stage=case.zero_stage
+        )
+        results[case] = _lightning_fit(case, strategy, dp_rank=rank // case.tp)  # tp innermost
+    return results
+
+
 def _count_layer_collectives(rank: int, world_size: int) -> dict[tuple, dict[str, int]]:
     """Collectives of one forward + backward, per extra layer (2-layer minus 1-layer model)."""
     counts = {}
@@ -244,7 +281,8 @@ def world4() -> dict[str, Any]:
     references = {preset: _reference(preset) for preset in PLANS}
     parity = run_distributed(_parity_cases, WORLD, CASES)
     counts = run_distributed(_count_layer_collectives, WORLD)
-    return {"references": references, "parity": parity, "counts": counts}
+    lightning = run_distributed(_lightning_cases, WORLD, LIGHTNING_CASES)
+    return {"references": references, "parity": parity, "counts": counts, "lightning": lightning}
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -298,3 +336,12 @@ def test_fsdp_holds_one_dp_th_of_ddp_state(world4: dict[str, Any], preset: str) 
     for rank_results in world4["parity"]:
         ratio = rank_results[fsdp]["state_bytes"] / rank_results[ddp]["state_bytes"]
         assert ratio == pytest.approx(1 / 2, rel=0.05)  # dp = 2; FSDP2 pads uneven dims
+
+
+@pytest.mark.parametrize("case", LIGHTNING_CASES, ids=str)
+def test_lightning_strategy_matches_single_process(world4: dict[str, Any], case: Case) -> None:
+    reference = _lightning_fit(case)
+    for rank_results in world4["lightning"]:
+        for name, param in reference.items():
+            got = rank_results[case][name]
+            torch.testing.assert_close(got, param, rtol=1e-4, atol=1e-5, msg=name)

@@ -80,6 +80,22 @@ def test_data_too_long_for_model_fails_before_training(shakespeare_gpt2: Path) -
         )  # fmt: skip
 
 
+def test_hybrid_layout_that_cannot_split_the_model_fails_before_launch(
+    shakespeare_gpt2: Path,
+) -> None:
+    # GPT-2's 50,257-token vocabulary cannot be split over tp=2: refused at parse time,
+    # before the strategy would start its 4 processes.
+    with pytest.raises(ValueError, match=r"'vocab_size': 50257.*tensor_parallel=2"):
+        PluginTrainCLI(
+            args=[
+                "--config", str(RECIPES / "llama3_debug_hybrid_cpu.yaml"),
+                "--model.init_args.config=gpt2-debug",
+                f"--data.init_args.data_dir={shakespeare_gpt2}",
+            ],
+            run=False,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("precision", "plugin", "dtype"),
     [

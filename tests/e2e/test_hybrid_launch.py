@@ -117,7 +117,8 @@ def _dcp_state_dict(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(checkpoint, tmp_path / "hybrid_full.pt")
-    return torch.load(tmp_path / "hybrid_full.pt", weights_only=True)["state_dict"]
+    # Our own file; it also holds the ZeRO optimizer shards as pickled byte streams.
+    return torch.load(tmp_path / "hybrid_full.pt", weights_only=False)["state_dict"]
 
 
 def _torchrun_node(
