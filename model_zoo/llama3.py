@@ -4,6 +4,7 @@ import re
 
 import torch
 
+from plugintrain.model_zoo import gpt2
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig, register_preset
 
 # Llama 3.2 extends the 8k pretraining context to 128k with a 32x frequency scaling.
@@ -129,23 +130,8 @@ def _rename(hf_key: str) -> str:
 def tp_plan() -> dict[str, str]:
     """Tensor/sequence-parallel plan, as data: module path pattern -> style name.
 
-    Same styles as :func:`plugintrain.model_zoo.gpt2.tp_plan`; query heads and key/value
-    heads are sharded alike, so tp must divide ``n_kv_head``.
+    GPT-2's plan (the families share :class:`~plugintrain.model_zoo.transformer.Transformer`
+    and its module names) plus SwiGLU's up projection ``w3``, column-wise like the gate.
+    Query heads and key/value heads are sharded alike, so tp must divide ``n_kv_head``.
     """
-    return {
-        "tok_embeddings": "vocab_embedding",
-        "dropout": "sequence_scatter",
-        "layers.*.attention_norm": "sequence_parallel",
-        "layers.*.attention": "tp_input",
-        "layers.*.attention.wq": "colwise",
-        "layers.*.attention.wk": "colwise",
-        "layers.*.attention.wv": "colwise",
-        "layers.*.attention.wo": "rowwise",
-        "layers.*.ffn_norm": "sequence_parallel",
-        "layers.*.feed_forward": "tp_input",
-        "layers.*.feed_forward.w1": "colwise",
-        "layers.*.feed_forward.w3": "colwise",
-        "layers.*.feed_forward.w2": "rowwise",
-        "norm": "sequence_parallel",
-        "output": "vocab_head",
-    }
+    return {**gpt2.tp_plan(), "layers.*.feed_forward.w3": "colwise"}
