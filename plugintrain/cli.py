@@ -15,7 +15,6 @@ from jsonargparse import set_parsing_settings
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
@@ -48,14 +47,9 @@ def _use_our_precision_plugin(trainer_config: dict[str, Any]) -> None:
     trainer_config["plugins"] = [*plugins, precision_plugin_from_name(name)]
 
 
-def _model_vocab_size(model: Any) -> int | None:
-    """The vocabulary size a token datamodule must respect (None for non-LM models)."""
-    return getattr(model, "vocab_size", None)
-
-
-def _model_max_seq_len(model: Any) -> int | None:
-    """The longest context the model accepts (None for non-LM models)."""
-    return getattr(model, "max_seq_len", None)
+def _model_attribute(name: str) -> Callable[[Any], Any]:
+    """Read ``name`` off the built model; None for models without it (e.g. MNIST)."""
+    return lambda model: getattr(model, name, None)
 
 
 class PluginTrainCLI(LightningCLI):
@@ -83,13 +77,18 @@ class PluginTrainCLI(LightningCLI):
         parser.set_defaults(
             {
                 "trainer.logger": {
-                    "class_path": TensorBoardLogger.__module__ + ".TensorBoardLogger",
+                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                     "init_args": {"save_dir": "runs", "name": "default"},
                 }
             }
         )
-        self._link_model_to_data(parser, "vocab_size", _model_vocab_size)
-        self._link_model_to_data(parser, "max_seq_len", _model_max_seq_len)
+        for name in ("vocab_size", "max_seq_len"):
+            # Linked on instantiation: the value comes from the built model, so a preset
+            # name and config overrides are already resolved. Datamodules without the
+            # argument (MNIST) are left alone by the link.
+            parser.link_arguments(
+                "model", f"data.init_args.{name}", _model_attribute(name), apply_on="instantiate"
+            )
 
     @override
     def after_instantiate_classes(self) -> None:
@@ -104,15 +103,6 @@ class PluginTrainCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         _use_our_precision_plugin(config)
         return super()._instantiate_trainer(config, callbacks)
-
-    @staticmethod
-    def _link_model_to_data(
-        parser: LightningArgumentParser, name: str, compute_fn: Callable[[Any], Any]
-    ) -> None:
-        # Linked on instantiation: the value comes from the built model, so a preset name
-        # and config overrides are already resolved. Datamodules without the argument
-        # (MNIST) are left alone by the link.
-        parser.link_arguments("model", f"data.init_args.{name}", compute_fn, apply_on="instantiate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
