@@ -1,12 +1,10 @@
 """Our GPT-2 and Llama 3 match Hugging Face transformers on tiny random models."""
 
-import pytest
 import torch
+import transformers  # test dependency (pyproject [test]); models built from config only
 
 from plugintrain.model_zoo import RopeScaling, Transformer, TransformerConfig, gpt2, llama3
 from plugintrain.model_zoo.layers import rope_frequencies
-
-transformers = pytest.importorskip("transformers")
 
 
 def _assert_same_logits(hf_model, ours: Transformer, vocab_size: int) -> None:
