@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from jsonargparse import set_parsing_settings
@@ -47,6 +48,21 @@ def _use_our_precision_plugin(trainer_config: dict[str, Any]) -> None:
     trainer_config["plugins"] = [*plugins, precision_plugin_from_name(name)]
 
 
+def _shared_checkpoint_dir(logger: Any) -> str | None:
+    """``<save_dir>/<name>/checkpoints`` of a configured logger, shared by its versions.
+
+    Lightning's default puts checkpoints under the logger's new ``version_N``, where
+    ``--ckpt_path last`` of a later run cannot find them. A directory per recipe keeps
+    ``last`` working; ModelCheckpoint writes ``last-v1.ckpt`` rather than overwrite an
+    earlier run's ``last.ckpt``, and ``last`` resolves to the newest.
+    """
+    init_args = getattr(logger, "init_args", None)
+    save_dir = getattr(init_args, "save_dir", None)
+    if save_dir is None:
+        return None
+    return str(Path(save_dir) / (getattr(init_args, "name", None) or "") / "checkpoints")
+
+
 def _model_attribute(name: str) -> Callable[[Any], Any]:
     """Read ``name`` off the built model; None for models without it (e.g. MNIST)."""
     return lambda model: getattr(model, name, None)
@@ -58,8 +74,10 @@ class PluginTrainCLI(LightningCLI):
     Always present (configurable under their own keys): ``checkpoint`` (ModelCheckpoint,
     keeps ``last.ckpt``), ``lr_monitor`` and ``throughput``. The logger defaults to
     TensorBoard under ``runs/``, and the resolved ``config.yaml`` is saved beside the logs.
-    The model's ``vocab_size`` and ``max_seq_len`` are linked into the datamodule so token
-    files are checked against the model before training starts. ``trainer.precision``
+    Checkpoints go to ``<save_dir>/<name>/checkpoints`` (shared by the logger's versions,
+    so ``--ckpt_path last`` resumes the newest run). The model's ``vocab_size`` and
+    ``max_seq_len`` are linked into the datamodule so token files are checked against the
+    model before training starts. ``trainer.precision``
     names (``32-true``, ``bf16-true``, ``bf16-mixed``, ``16-mixed``) select plugintrain's
     precision plugins, and importing this module registers plugintrain's strategy names.
     """
@@ -89,6 +107,12 @@ class PluginTrainCLI(LightningCLI):
             parser.link_arguments(
                 "model", f"data.init_args.{name}", _model_attribute(name), apply_on="instantiate"
             )
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
+        if config.get("checkpoint") is not None and config.checkpoint.dirpath is None:
+            config.checkpoint.dirpath = _shared_checkpoint_dir(config.trainer.logger)
 
     @override
     def after_instantiate_classes(self) -> None:

@@ -146,7 +146,7 @@ def test_fit_writes_logs_config_and_checkpoints(gpt2_run: Path) -> None:
     assert _scalars(gpt2_run, "val_loss")
     assert _scalars(gpt2_run, "train/device/items_per_sec")  # tokens/s (throughput monitor)
     assert _scalars(gpt2_run, "lr-AdamW/pg1")
-    ckpt = torch.load(gpt2_run / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(gpt2_run.parent / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 4
 
 
@@ -165,21 +165,23 @@ def _fit_gpt2(data_dir: Path, save_dir: Path, max_steps: int, *extra: str) -> Pa
 def test_resume_from_last_equals_an_uninterrupted_run(
     gpt2_run: Path, shakespeare_gpt2: Path, tmp_path: Path
 ) -> None:
-    last = gpt2_run / "checkpoints" / "last.ckpt"
-    resumed = _fit_gpt2(shakespeare_gpt2, tmp_path / "resumed", 6, f"--ckpt_path={last}")
+    # `last` finds the 4-step run's last.ckpt in the recipe's checkpoint directory.
+    run_dir = gpt2_run.parent
+    _fit_gpt2(shakespeare_gpt2, run_dir.parent, 6, "--ckpt_path=last")
+    resumed = run_dir / "version_1"
     uninterrupted = _fit_gpt2(shakespeare_gpt2, tmp_path / "uninterrupted", 6)
     # Same weights, optimizer state, LR schedule and data position: the same losses.
     after_resume = _scalars(resumed, "train_loss")
     assert sorted(after_resume) == [4, 5]
     expected = _scalars(uninterrupted, "train_loss")
     assert after_resume == pytest.approx({s: expected[s] for s in (4, 5)}, rel=1e-6)
-    ckpt = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 6
 
 
 def test_generate_from_checkpoint(gpt2_run: Path) -> None:
     proc = run_cli(
-        "generate", f"--ckpt_path={gpt2_run / 'checkpoints' / 'last.ckpt'}",
+        "generate", f"--ckpt_path={gpt2_run.parent / 'checkpoints' / 'last.ckpt'}",
         "--prompt=ROMEO:", "--max_new_tokens=8", "--temperature=0", "--json",
         cwd=REPO,
     )  # fmt: skip
@@ -212,7 +214,7 @@ def test_ddp_two_processes_from_the_same_recipe(shakespeare_gpt2: Path, tmp_path
     )  # fmt: skip
     run = tmp_path / "gpt2_debug_shakespeare_cpu" / "version_0"
     assert len(_scalars(run, "train_loss")) == 2
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(run.parent / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 2
     # Each of the 2 ranks took its own half of the data: the saved position counts
     # this rank's samples, i.e. steps x per-rank batch.

@@ -63,7 +63,7 @@ def test_devices_4_trains_and_writes_dcp_checkpoints(single_node: Path) -> None:
     losses = _losses(single_node)
     assert sorted(losses) == list(range(STEPS))
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
-    last = single_node / NAME / "version_0" / "checkpoints" / "last.ckpt"
+    last = single_node / NAME / "checkpoints" / "last.ckpt"
     assert last.is_dir() and (last / ".metadata").is_file()
     assert len(list(last.glob("*.distcp"))) == 4  # every rank wrote its shard
 
@@ -71,7 +71,7 @@ def test_devices_4_trains_and_writes_dcp_checkpoints(single_node: Path) -> None:
 def test_resume_equals_uninterrupted_run(
     single_node: Path, shakespeare_llama3: Path, tmp_path: Path
 ) -> None:
-    ckpt = single_node / NAME / "version_0" / "checkpoints" / "epoch=0-step=2.ckpt"
+    ckpt = single_node / NAME / "checkpoints" / "epoch=0-step=2.ckpt"
     run_cli(*_fit_args(shakespeare_llama3, tmp_path, f"--ckpt_path={ckpt}"), cwd=REPO)
     resumed, uninterrupted = _losses(tmp_path), _losses(single_node)
     assert sorted(resumed) == [2, 3]
@@ -102,12 +102,10 @@ def test_weights_match_single_process_fit(
     batch = "--data.init_args.batch_size=4"
     run_cli(*_fit_args(shakespeare_llama3, tmp_path, batch, recipe=single_recipe), cwd=REPO)
     single = torch.load(
-        tmp_path / "llama3_debug_shakespeare_cpu" / "version_0" / "checkpoints" / "last.ckpt",
+        tmp_path / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,
     )["state_dict"]
-    hybrid = _dcp_state_dict(
-        single_node / NAME / "version_0" / "checkpoints" / "last.ckpt", tmp_path
-    )
+    hybrid = _dcp_state_dict(single_node / NAME / "checkpoints" / "last.ckpt", tmp_path)
     assert set(hybrid) <= set(single)
     for name, weight in hybrid.items():
         torch.testing.assert_close(weight, single[name], rtol=1e-4, atol=1e-5, msg=name)
