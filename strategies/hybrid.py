@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
@@ -48,6 +47,7 @@ from plugintrain.strategies.tensor_parallel import (
     shared_parameters,
     vocab_parallel_loss,
 )
+from plugintrain.strategies.zero import unwrap_optimizer
 
 # Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
 _BLOCK = re.compile(r"(.*\.)?layers\.\d+")
@@ -315,7 +315,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         )
         if self._engine is not None:
             for optimizer in self.optimizers:
-                self._engine.attach(_unwrap(optimizer))
+                self._engine.attach(unwrap_optimizer(optimizer))
 
     def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Raise if the model (and the data's ``seq_len``) cannot be split by this layout.
@@ -353,7 +353,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return super().optimizer_state(optimizer)
         # Each rank saves its own shard's state; DCP stores it as an opaque byte stream.
         buffer = io.BytesIO()
-        torch.save(_unwrap(optimizer).state_dict(), buffer)
+        torch.save(unwrap_optimizer(optimizer).state_dict(), buffer)
         buffer.seek(0)
         return {self._shard_key(): buffer}
 
@@ -380,7 +380,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         for i, optimizer in enumerate(self.optimizers):
             buffer = state[f"optimizer_{i}"][self._shard_key()]
             buffer.seek(0)
-            _unwrap(optimizer).load_state_dict(torch.load(buffer, weights_only=True))
+            unwrap_optimizer(optimizer).load_state_dict(torch.load(buffer, weights_only=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @override
@@ -402,7 +402,3 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
 def _int_or(value: int | str, default: int) -> int:
     return value if isinstance(value, int) else default
-
-
-def _unwrap(optimizer: Optimizer) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -109,7 +109,7 @@ class _GradientEngineStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         if self._engine is not None:
             for optimizer in self.optimizers:
-                self._engine.attach(_unwrap(optimizer))
+                self._engine.attach(unwrap_optimizer(optimizer))
 
     @contextmanager
     @override
@@ -129,7 +129,7 @@ class _GradientEngineStrategy(DDPStrategy):
         if self._engine is None:
             return super().optimizer_state(optimizer)
         # Full state keyed by parameter name on rank 0 (every rank joins the gather).
-        return self._engine.optimizer_state_dict(_unwrap(optimizer))
+        return self._engine.optimizer_state_dict(unwrap_optimizer(optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -138,7 +138,7 @@ class _GradientEngineStrategy(DDPStrategy):
             return
         states = checkpoint["optimizer_states"]
         for optimizer, state in zip(self.optimizers, states, strict=True):
-            self._engine.load_optimizer_state_dict(_unwrap(optimizer), state)
+            self._engine.load_optimizer_state_dict(unwrap_optimizer(optimizer), state)
 
     @override
     def teardown(self) -> None:
@@ -254,5 +254,6 @@ class ParameterServerStrategy(_GradientEngineStrategy):
         )
 
 
-def _unwrap(optimizer: Optimizer) -> Optimizer:
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
