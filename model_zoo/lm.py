@@ -134,24 +134,39 @@ class CausalLM(L.LightningModule):
     ) -> torch.Tensor:
         """Next-token loss on ``(x, y)`` int64 ``(B, T)``; logs ``train_loss``."""
         x, y = batch
-        self.flops_per_batch = self.config.flops_per_token(x.size(1)) * x.numel()
         loss = self.loss_fn(self(x), y)
-        self.log("train_loss", loss, prog_bar=True)
+        self.record_loss("train", loss, batch)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Logs ``val_loss`` and ``val_ppl``."""
-        self._evaluate(batch, "val", self.val_ppl)
+        x, y = batch
+        self.record_loss("val", self.loss_fn(self(x), y), batch)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Logs ``test_loss`` and ``test_ppl``."""
-        self._evaluate(batch, "test", self.test_ppl)
-
-    def _evaluate(
-        self, batch: tuple[torch.Tensor, torch.Tensor], stage: str, ppl: Perplexity
-    ) -> None:
         x, y = batch
-        loss = self.loss_fn(self(x), y)
+        self.record_loss("test", self.loss_fn(self(x), y), batch)
+
+    def record_loss(
+        self, stage: str, loss: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Log the mean loss of ``batch`` (and FLOPs or perplexity) for ``stage``.
+
+        Split from the steps so a strategy that runs forward and backward itself (the
+        pipeline schedules) logs the loss it computed exactly as the steps do.
+
+        Args:
+            stage: ``"train"``, ``"val"`` or ``"test"``.
+            loss: The batch's mean token loss.
+            batch: The ``(x, y)`` batch it was computed on.
+        """
+        x, y = batch
+        if stage == "train":
+            self.flops_per_batch = self.config.flops_per_token(x.size(1)) * x.numel()
+            self.log("train_loss", loss, prog_bar=True)
+            return
+        ppl = self.val_ppl if stage == "val" else self.test_ppl
         ppl.update(loss, y.numel())
         self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
         self.log(f"{stage}_ppl", ppl)

@@ -1,7 +1,7 @@
 """Lightning strategies for plugintrain (installed as plugintrain.strategies).
 
 Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``zero2``,
-``parameter_server`` and ``hybrid`` with Lightning's ``StrategyRegistry``, so
+``parameter_server``, ``hybrid`` and ``pipeline`` with Lightning's ``StrategyRegistry``, so
 ``Trainer(strategy="zero2")`` and ``trainer.strategy: zero2`` in a recipe work.
 """
 
@@ -23,29 +23,49 @@ from plugintrain.strategies.hybrid import (
     parallelize,
 )
 from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.pipeline import PipelineExecutor, split_model
+from plugintrain.strategies.pipeline_schedules import (
+    SCHEDULES,
+    Schedule,
+    build_schedule,
+    simulate,
+)
+from plugintrain.strategies.pipeline_strategy import PipelineStrategy
 from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
 from plugintrain.strategies.zero import ParameterServerStrategy, ZeroStrategy
 
-for _strategy in (ZeroStrategy, ParameterServerStrategy, HybridParallelStrategy):
+for _strategy in (
+    ZeroStrategy,
+    ParameterServerStrategy,
+    HybridParallelStrategy,
+    PipelineStrategy,
+):
     _strategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "PARAMETER_SERVER",
+    "SCHEDULES",
     "STAGES",
     "GradientEngine",
     "HybridParallelStrategy",
     "ParallelDims",
     "ParameterServerStrategy",
+    "PipelineExecutor",
+    "PipelineStrategy",
+    "Schedule",
     "Stage",
     "ZeroStrategy",
     "apply_tensor_parallel",
     "build_engine",
+    "build_schedule",
     "check_shardable",
     "hybrid_gradient_layout",
     "optimizer_state_bytes",
     "parallelize",
     "register_elementwise_optimizer",
     "shard_model",
+    "simulate",
+    "split_model",
     "vocab_parallel_loss",
 ]

@@ -453,6 +453,17 @@ class GradientEngine:
             bucket.grads = None
         bucket.stale = True
 
+    def accumulated_grad(self, param: Tensor) -> Tensor:
+        """The local, not yet reduced gradient of ``param`` (a view into its bucket).
+
+        Valid between backward passes run under :meth:`no_sync` and
+        :meth:`finish_grad_sync`; a collective on it (e.g. summing a tied weight's gradient
+        across pipeline stages) is folded into the coming reduction.
+        """
+        slot = self._slot(param)
+        flat = slot.bucket.grad_buffer()[slot.offset : slot.offset + slot.numel]
+        return flat.view_as(_local(param))
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally without communicating (all but the last micro-batch)."""

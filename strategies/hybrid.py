@@ -41,6 +41,13 @@ from typing_extensions import override
 from plugintrain.distributed import GradientLayout, GradientPiece, default_gradient_layout
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.pipeline import (
+    PipelineExecutor,
+    StageChunk,
+    check_layers,
+    split_model,
+)
+from plugintrain.strategies.pipeline_schedules import validate as validate_schedule
 from plugintrain.strategies.tensor_parallel import (
     apply_tensor_parallel,
     retie,
@@ -90,7 +97,8 @@ def shard_model(
     """The module-rewriting part of :func:`parallelize`: TP(+SP), then FSDP2 for stage 3.
 
     Args:
-        module: As in :func:`parallelize`.
+        module: As in :func:`parallelize`; with pipeline parallelism, this rank's split
+            model (plan entries for modules it does not hold are skipped).
         plan: As in :func:`parallelize`.
         dims: The degrees.
         mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
@@ -102,7 +110,13 @@ def shard_model(
                 f"tensor_parallel={dims.tensor_parallel} needs a tensor-parallel plan, but"
                 f" {type(module).__name__} declares none (a `tp_plan()` method)."
             )
-        apply_tensor_parallel(module, plan, mesh["tp"], dims.sequence_parallel)
+        apply_tensor_parallel(
+            module,
+            plan,
+            mesh["tp"],
+            dims.sequence_parallel,
+            allow_missing=dims.pipeline_parallel > 1,
+        )
     if dims.fsdp_enabled and fully_shard_dp:
         _fully_shard(module, mesh["dp"])
 
@@ -150,58 +164,80 @@ def tp_replicas(param: Tensor, tp: int) -> int:
 
 
 def hybrid_gradient_layout(
-    parameters: Iterable[Tensor], engine: GradientEngine | None, tensor_parallel: int
+    parameters: Iterable[Tensor],
+    engine: GradientEngine | None,
+    tensor_parallel: int,
+    stage_replicated: Iterable[Tensor] = (),
 ) -> GradientLayout:
-    """The layout of the gradients an optimizer steps, over the whole tp x dp world.
+    """The layout of the gradients an optimizer steps, over the whole pp x tp x dp world.
 
     With the engine, a shard's gradient is replicated over the dp group at stage 0 (once
     at stage 1/2) and over the tp ranks that hold the same piece of its parameter; FSDP2
     gradients are DTensors on the 2-D mesh, which the default layout counts directly.
+    Pipeline stages hold different parameters, except ``stage_replicated`` ones (an
+    embedding tied to the head, held by the first and the last stage), counted twice.
 
     Args:
         parameters: The parameters an optimizer steps.
         engine: The gradient engine (ZeRO stage 0/1/2), or None (FSDP2).
         tensor_parallel: The tp degree.
+        stage_replicated: Model parameters held by two pipeline stages.
     """
     if engine is None:
         return default_gradient_layout(parameters)
     params = [p for p in parameters if p.grad is not None]
     local = engine.gradient_layout(params)
-    pieces = [
-        GradientPiece(
-            piece.grad, piece.replicas * tp_replicas(engine.parameter_of(p), tensor_parallel)
+    twice = {id(p) for p in stage_replicated}
+    pieces = []
+    for piece, p in zip(local.pieces, params, strict=True):
+        param = engine.parameter_of(p)
+        stages = 2 if id(param) in twice else 1
+        pieces.append(
+            GradientPiece(piece.grad, piece.replicas * tp_replicas(param, tensor_parallel) * stages)
         )
-        for piece, p in zip(local.pieces, params, strict=True)
-    ]
     return GradientLayout(group=dist.group.WORLD, pieces=pieces, device=local.device)
 
 
 class HybridParallelStrategy(ModelParallelStrategy):
-    """Tensor (+ sequence) parallelism x data parallelism with ZeRO stage 0/1/2 or FSDP2.
+    """Pipeline x tensor (+ sequence) x data parallelism with ZeRO on the data-parallel ranks.
 
     Registered as ``hybrid``. The LightningModule builds a single-device model in
     ``configure_model`` and declares its plan with ``tp_plan()`` (see
     :class:`~plugintrain.model_zoo.CausalLM`); a ``loss_fn(logits, targets)`` method is
     wrapped into a vocabulary-parallel cross-entropy. Each dp rank reads its own batches;
-    the tp ranks of one group read the same. Metrics are averaged over the world, which
-    equals the dp average because tp ranks hold identical losses.
+    the tp and pp ranks of one replica read the same. Metrics are averaged over the
+    world, which equals the dp average because tp and pp ranks hold identical losses.
 
-    Checkpoints are DCP directories at the checkpoint path. Model weights reload under
-    any layout; with ZeRO stage 0/1/2 each rank saves its own optimizer shard, so the
-    optimizer resumes under the same layout (stage 3 reshards through torch's
-    ``get_optimizer_state_dict``).
+    With ``pipeline_parallel > 1`` the module's ``model`` (a zoo ``Transformer``) is split
+    into ``pipeline_parallel x virtual_pipeline_parallel`` stages and the strategy owns the
+    training step: it cuts each batch into ``microbatches``, runs the ``schedule``
+    (:mod:`~plugintrain.strategies.pipeline`) inside the precision plugin's autocast (FP16
+    loss scaling on the last stage), reduces the gradients over dp once the schedule is
+    done, and hands every rank the loss broadcast from the last stage, logged through the
+    module's ``record_loss(stage, loss, batch)``. Validation runs a forward-only schedule.
+
+    Checkpoints are DCP directories at the checkpoint path, keyed by full-model parameter
+    names, so model weights reload under any layout (pp, tp, dp). Optimizer state: with
+    ``tensor_parallel == 1`` (ZeRO 0-2) it is saved whole per parameter name and reloads
+    under any pp and dp; with tp > 1 each rank saves its own shard (same layout to resume);
+    stage 3 reshards through torch's ``get_optimizer_state_dict``.
 
     Args:
         data_parallel: Data-parallel degree; ``"auto"``: world size / (tp x pp).
         tensor_parallel: Ranks that split every layer (and the vocabulary).
         sequence_parallel: Shard norms and dropout over the sequence (needs tp > 1).
-        pipeline_parallel: Pipeline stages; only 1 is supported by this strategy yet.
-        virtual_pipeline_parallel: Model chunks per pipeline rank; only 1 yet.
+        pipeline_parallel: Pipeline stages (ranks).
+        virtual_pipeline_parallel: Model chunks per pipeline rank (interleaved schedule).
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved``; default ``1f1b``, or
+            ``interleaved`` when ``virtual_pipeline_parallel > 1``.
+        microbatches: Micro-batches per batch with pp > 1 (must divide the per-rank batch
+            size); default ``pipeline_parallel``.
         expert_parallel: Expert-parallel degree; only 1 yet.
         zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
-            3 also parameters (torch FSDP2).
+            3 also parameters (torch FSDP2; not with pp > 1).
         bucket_size_mb: Gradient bucket size for ZeRO stage 0/1/2.
-        overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2).
+        overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2, no pp).
+        wire_dtype: Dtype of the activations and gradients sent between pipeline stages.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
         timeout: Timeout of the process group's collectives.
     """
@@ -215,10 +251,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
         sequence_parallel: bool = False,
         pipeline_parallel: int = 1,
         virtual_pipeline_parallel: int = 1,
+        schedule: str | None = None,
+        microbatches: int | None = None,
         expert_parallel: int = 1,
         zero_stage: int = 0,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
+        wire_dtype: torch.dtype | str = torch.float32,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -228,26 +267,49 @@ class HybridParallelStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        unsupported = {
-            "pipeline_parallel": pipeline_parallel,
-            "virtual_pipeline_parallel": virtual_pipeline_parallel,
-            "expert_parallel": expert_parallel,
-        }
-        if any(value != 1 for value in unsupported.values()):
+        if expert_parallel != 1:
             raise ValueError(
-                f"HybridParallelStrategy supports tp x dp only; got {unsupported}. Set them to 1."
+                f"expert_parallel={expert_parallel} is not supported by HybridParallelStrategy"
+                " yet; set it to 1."
             )
         self.degrees: dict[str, Any] = {
             "data_parallel": data_parallel,
             "tensor_parallel": tensor_parallel,
             "sequence_parallel": sequence_parallel,
+            "pipeline_parallel": pipeline_parallel,
+            "virtual_pipeline_parallel": virtual_pipeline_parallel,
             "zero_stage": zero_stage,
         }
-        ParallelDims(world_size=tensor_parallel * _int_or(data_parallel, 1), **self.degrees)
+        ParallelDims(
+            world_size=tensor_parallel * pipeline_parallel * _int_or(data_parallel, 1),
+            **self.degrees,
+        )
+        self.schedule = schedule or ("interleaved" if virtual_pipeline_parallel > 1 else "1f1b")
+        self.microbatches = pipeline_parallel if microbatches is None else microbatches
+        if pipeline_parallel > 1:
+            validate_schedule(
+                pipeline_parallel, virtual_pipeline_parallel, self.microbatches, self.schedule
+            )
+            if zero_stage == 3:
+                raise ValueError(
+                    "zero_stage=3 (FSDP2) cannot be combined with pipeline_parallel="
+                    f"{pipeline_parallel} yet; use zero_stage 0, 1 or 2 (ZeRO-1/2 shard the"
+                    " optimizer state and gradients over the data-parallel ranks)."
+                )
+        self.wire_dtype = _dtype(wire_dtype)
         self.bucket_size_mb = bucket_size_mb
         self.overlap_comm = overlap_comm
         self.parallel_dims: ParallelDims | None = None
         self._engine: GradientEngine | None = None
+        self._executor: PipelineExecutor | None = None
+        self._tied: list[Tensor] = []
+        self._tied_group: dist.ProcessGroup | None = None
+        self._accumulating = False
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model runs as pipeline stages (``pipeline_parallel > 1``)."""
+        return self.degrees["pipeline_parallel"] > 1
 
     @property
     def dims(self) -> ParallelDims:
@@ -292,6 +354,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         assert module is not None
         self.check_model(module, trainer.datamodule)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        chunks = self._split(module) if self.pipelined else None
         plan = module.tp_plan() if hasattr(module, "tp_plan") else None
         shard_model(module, plan, self.dims, self.device_mesh, fully_shard_dp=fitting)
         if self.dims.tp_enabled and hasattr(module, "loss_fn"):
@@ -299,6 +362,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         super().setup(trainer)  # moves the model, builds the optimizers
         if fitting:
             self._setup_engine(module)
+        if chunks is not None:
+            self._setup_pipeline(module, chunks)
 
     @override
     def model_to_device(self) -> None:
@@ -322,17 +387,47 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
         Needs no process group, so ``plugintrain fit`` calls it before any process is
         launched: heads, kv-heads, MLP width and vocabulary must divide by tp, and the
-        sequence length too with sequence parallelism.
+        sequence length too with sequence parallelism; with pp > 1 the layers must split
+        into pp x vpp stages and the batch into ``microbatches``.
         """
         config = getattr(module, "config", None)
+        dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self.degrees)
         if config is not None:
-            dims = ParallelDims(world_size=self.num_nodes * self.num_processes, **self.degrees)
             dims.validate_model(config, getattr(datamodule, "seq_len", None))
+        if not self.pipelined:
+            return
+        if config is None or not hasattr(module, "loss_fn"):
+            raise ValueError(
+                f"pipeline_parallel={dims.pipeline_parallel} needs a module with a `config`"
+                " (TransformerConfig), a `model` built from it in configure_model and a"
+                f" `loss_fn(logits, targets)`, like CausalLM; {type(module).__name__} lacks them."
+            )
+        check_layers(config.n_layer, dims.pipeline_parallel, dims.virtual_pipeline_parallel)
+        batch_size = getattr(datamodule, "batch_size", None)
+        if isinstance(batch_size, int) and batch_size % self.microbatches:
+            raise ValueError(
+                f"The per-rank batch_size={batch_size} does not split into microbatches="
+                f"{self.microbatches} equal micro-batches; choose a batch size that is a"
+                f" multiple of {self.microbatches}, or other microbatches."
+            )
 
     @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
+        if self.pipelined:
+            # The schedule already ran backward inside training_step, accumulating into the
+            # engine's buffers; Lightning zeroes the optimizer's gradients in between, so
+            # the reduction that exposes them to the optimizer happens here.
+            module = self.lightning_module
+            assert module is not None
+            self.pre_backward(closure_loss)
+            self.precision_plugin.pre_backward(closure_loss, module)
+            if not self._accumulating:
+                self._finish_gradients()
+            self.precision_plugin.post_backward(closure_loss, module)
+            self.post_backward(closure_loss)
+            return closure_loss
         # The vocabulary-parallel cross-entropy's backward runs under the same context.
         with loss_parallel() if self.dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -340,12 +435,128 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        with self._engine.no_sync() if self._engine is not None else nullcontext():
-            yield
+        previous, self._accumulating = self._accumulating, True
+        try:
+            with self._engine.no_sync() if self._engine is not None else nullcontext():
+                yield
+        finally:
+            self._accumulating = previous
 
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
-        """Each gradient piece with its replica count over the whole tp x dp world."""
-        return hybrid_gradient_layout(parameters, self._engine, self.dims.tensor_parallel)
+        """Each gradient piece with its replica count over the whole pp x tp x dp world."""
+        return hybrid_gradient_layout(
+            parameters, self._engine, self.dims.tensor_parallel, self._tied
+        )
+
+    # ---- pipeline parallelism ------------------------------------------------------------
+
+    def _split(self, module: pl.LightningModule) -> list[StageChunk]:
+        dims = self.dims
+        pp_rank = self.device_mesh["pp"].get_local_rank()
+        return split_model(
+            module.model, pp_rank, dims.pipeline_parallel, dims.virtual_pipeline_parallel
+        )
+
+    def _setup_pipeline(self, module: pl.LightningModule, chunks: list[StageChunk]) -> None:
+        dims = self.dims
+        config = module.config
+        self._setup_tied_embeddings(module, chunks)
+        self._executor = PipelineExecutor(
+            chunks,
+            self.schedule,
+            dims.pipeline_parallel,
+            dims.virtual_pipeline_parallel,
+            self.microbatches,
+            rank=self.device_mesh["pp"].get_local_rank(),
+            group=self.device_mesh["pp"].get_group(),
+            loss_fn=lambda logits, targets: module.loss_fn(logits, targets),
+            hidden_size=config.n_embd,
+            seq_divisor=dims.tensor_parallel if dims.sequence_parallel else 1,
+            wire_dtype=self.wire_dtype,
+            forward_context=self.precision_plugin.forward_context,
+            backward_context=loss_parallel if dims.tp_enabled else nullcontext,
+        )
+
+    def _setup_tied_embeddings(self, module: pl.LightningModule, chunks: list[StageChunk]) -> None:
+        """Group the first and last stage of each (dp, tp) position when the head is tied."""
+        self._tied, self._tied_group = [], None
+        if not module.config.tie_embeddings:
+            return
+        mesh = self.device_mesh.mesh  # (pp, dp, tp) global ranks
+        for dp in range(mesh.size(1)):
+            for tp in range(mesh.size(2)):
+                ranks = [int(mesh[0, dp, tp]), int(mesh[-1, dp, tp])]
+                group = dist.new_group(ranks)
+                if self.global_rank in ranks:
+                    self._tied_group = group
+        model = module.model
+        if any(chunk.is_first for chunk in chunks):
+            self._tied.append(model.tok_embeddings.weight)
+        if any(chunk.is_last for chunk in chunks):
+            self._tied.append(model.output.weight)
+
+    def _microbatches(self, batch: Any, count: int) -> tuple[list[Tensor], list[Tensor]]:
+        x, y = batch
+        if x.size(0) % count:
+            raise ValueError(
+                f"A batch of {x.size(0)} sequences does not split into microbatches={count};"
+                f" use a batch size that is a multiple of {count}."
+            )
+        return list(x.chunk(count)), list(y.chunk(count))
+
+    def _broadcast_loss(self, loss: Tensor | None) -> Tensor:
+        assert self._executor is not None
+        value = loss if loss is not None else torch.zeros((), device=self.root_device)
+        value = value.detach().float().contiguous()
+        dist.broadcast(value, src=self._executor.last_rank_global, group=self._executor.group)
+        return value
+
+    def _finish_gradients(self) -> None:
+        """Sum a tied weight's gradient over the first and last stage, then reduce over dp."""
+        assert self._engine is not None
+        for param in self._tied:
+            dist.all_reduce(self._engine.accumulated_grad(param), group=self._tied_group)
+        self._engine.finish_grad_sync()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().training_step(*args, **kwargs)
+        assert self._executor is not None and self._engine is not None
+        module = self.lightning_module
+        batch = args[0] if args else kwargs["batch"]
+        inputs, targets = self._microbatches(batch, self.microbatches)
+        accumulate = module.trainer.accumulate_grad_batches
+        scaler = getattr(self.precision_plugin, "loss_scaler", None)
+        with self._engine.no_sync():
+            loss = self._executor.train_step(
+                inputs,
+                targets,
+                loss_scale=1.0 / (self.microbatches * accumulate),
+                scale_loss=scaler.scale_loss if scaler is not None else None,
+            )
+        loss = self._broadcast_loss(loss)
+        _record(module, "train", loss, batch)
+        return loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().validation_step(*args, **kwargs)
+        return self._evaluate("val", args[0] if args else kwargs["batch"])
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.pipelined:
+            return super().test_step(*args, **kwargs)
+        return self._evaluate("test", args[0] if args else kwargs["batch"])
+
+    def _evaluate(self, stage: str, batch: Any) -> None:
+        assert self._executor is not None
+        count = math.gcd(batch[0].size(0), self.microbatches)
+        inputs, targets = self._microbatches(batch, count)
+        loss = self._broadcast_loss(self._executor.eval_step(inputs, targets))
+        _record(self.lightning_module, stage, loss, batch)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -388,6 +599,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if self._engine is not None:
             self._engine.remove()
             self._engine = None
+        self._executor = None
         super().teardown()
 
     @classmethod
@@ -396,9 +608,27 @@ class HybridParallelStrategy(ModelParallelStrategy):
         strategy_registry.register(
             cls.strategy_name,
             cls,
-            description="tensor (+ sequence) x data parallelism with ZeRO 0-3 on a DeviceMesh",
+            description="pp x tp (+ sp) x dp with ZeRO, on a DeviceMesh",
         )
 
 
 def _int_or(value: int | str, default: int) -> int:
     return value if isinstance(value, int) else default
+
+
+def _dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"wire_dtype={value!r} is not a torch dtype; use e.g. 'float32'.")
+    return dtype
+
+
+def _record(module: pl.LightningModule, stage: str, loss: Tensor, batch: Any) -> None:
+    """Log a loss the strategy computed: the module's ``record_loss`` or ``<stage>_loss``."""
+    record = getattr(module, "record_loss", None)
+    if callable(record):
+        record(stage, loss, batch)
+    else:
+        module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=stage != "train")

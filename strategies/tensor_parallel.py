@@ -94,10 +94,19 @@ def style(name: str, sequence_parallel: bool) -> ParallelStyle:
     return builders[name]()
 
 
-def expand_plan(model: nn.Module, plan: dict[str, str], sequence_parallel: bool) -> dict[str, str]:
+def expand_plan(
+    model: nn.Module, plan: dict[str, str], sequence_parallel: bool, allow_missing: bool = False
+) -> dict[str, str]:
     """Resolve the plan's ``*`` patterns to the model's module paths, in plan order.
 
     SP-only styles are dropped without sequence parallelism (those modules stay replicated).
+
+    Args:
+        model: The module the plan's paths are relative to.
+        plan: Module path pattern -> style name.
+        sequence_parallel: Whether SP-only styles apply.
+        allow_missing: Skip patterns that match nothing (a pipeline stage holds only some
+            of the modules) instead of raising.
 
     Raises:
         ValueError: If a pattern matches no module (a typo would silently skip sharding).
@@ -106,6 +115,8 @@ def expand_plan(model: nn.Module, plan: dict[str, str], sequence_parallel: bool)
     resolved: dict[str, str] = {}
     for pattern, name in plan.items():
         matches = fnmatch.filter(names, pattern)
+        if not matches and allow_missing:
+            continue
         if not matches:
             raise ValueError(f"Tensor-parallel plan entry {pattern!r} matches no module.")
         if name in SP_ONLY_STYLES and not sequence_parallel:
@@ -115,7 +126,11 @@ def expand_plan(model: nn.Module, plan: dict[str, str], sequence_parallel: bool)
 
 
 def apply_tensor_parallel(
-    model: nn.Module, plan: dict[str, str], tp_mesh: DeviceMesh, sequence_parallel: bool
+    model: nn.Module,
+    plan: dict[str, str],
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    allow_missing: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place over ``tp_mesh`` by ``plan``; weights come from tp rank 0.
 
@@ -127,9 +142,10 @@ def apply_tensor_parallel(
         plan: Module path pattern -> style name (the family's ``tp_plan()``).
         tp_mesh: The one-dimensional tensor-parallel mesh.
         sequence_parallel: Shard norms and dropout over the sequence (Megatron-style SP).
+        allow_missing: Skip plan entries with no module (a pipeline stage's model).
     """
     shared = shared_parameters(model)
-    resolved = expand_plan(model, plan, sequence_parallel)
+    resolved = expand_plan(model, plan, sequence_parallel, allow_missing)
     styles = {path: style(name, sequence_parallel) for path, name in resolved.items()}
     parallelize_module(model, tp_mesh, styles)
     retie(shared)

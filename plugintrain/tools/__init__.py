@@ -11,11 +11,13 @@ from collections.abc import Callable, Sequence
 from plugintrain.tools.compare import main as compare_main
 from plugintrain.tools.generate import main as generate_main
 from plugintrain.tools.prepare import main as prepare_main
+from plugintrain.tools.schedule import main as schedule_main
 
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "prepare": prepare_main,
     "generate": generate_main,
     "compare": compare_main,
+    "schedule": schedule_main,
 }
 
 _OVERVIEW = """\
@@ -31,6 +33,7 @@ Tools:
   prepare    build real datasets offline: plugintrain prepare shakespeare --tokenizer gpt2
   generate   sample text from a checkpoint: plugintrain generate --ckpt_path last.ckpt
   compare    diff two runs' losses/module stats: plugintrain compare RUN_A RUN_B --dtype bf16
+  schedule   simulate a pipeline schedule: plugintrain schedule --pp 4 --vpp 2 --microbatches 8
 
 Run `plugintrain <command> --help` for the options of one command.
 """

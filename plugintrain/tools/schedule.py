@@ -1,0 +1,113 @@
+"""``plugintrain schedule``: print a pipeline schedule and simulate it.
+
+Builds the GPipe, 1F1B or interleaved 1F1B schedule for ``--pp`` ranks, ``--vpp`` model
+chunks per rank and ``--microbatches`` micro-batches
+(:mod:`plugintrain.strategies.pipeline_schedules`), runs it through the symbolic
+simulator and prints a time-by-rank grid followed by the bubble, each rank's idle
+fraction and peak in-flight micro-batches; ``--json`` prints the same as one JSON object.
+Nothing is launched: this is for choosing ``pp``, ``vpp`` and the micro-batch count.
+
+Exit status: 0 on success, 2 on bad input (a layout the schedule cannot run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plugintrain.strategies.pipeline_schedules import Simulation
+
+
+def _time(text: str) -> Fraction:
+    """A positive duration: ``1``, ``1.5`` or ``3/2``."""
+    try:
+        value = Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plugintrain schedule",
+        description="Print a pipeline schedule and simulate it (bubble, idle, memory).",
+    )
+    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel ranks")
+    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (default 1)")
+    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    parser.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved"),
+        default=None,
+        help="default: 1f1b when --vpp is 1, else interleaved",
+    )
+    parser.add_argument(
+        "--forward-time",
+        type=_time,
+        default=Fraction(1),
+        help="time of one micro-batch's forward on one rank (default 1)",
+    )
+    parser.add_argument(
+        "--backward-time",
+        type=_time,
+        default=Fraction(2),
+        help="time of one micro-batch's backward on one rank (default 2)",
+    )
+    parser.add_argument(
+        "--forward-only", action="store_true", help="forwards alone, as in evaluation"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    return parser
+
+
+def _number(value: Fraction) -> int | float:
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def to_json(sim: Simulation) -> dict[str, Any]:
+    """The simulation as plain JSON types; actions read ``F3`` or ``B3.1`` (chunk 1)."""
+    s = sim.schedule
+    return {
+        "schedule": s.name,
+        "pp": s.pp,
+        "vpp": s.vpp,
+        "microbatches": s.microbatches,
+        "forward_only": s.forward_only,
+        "forward_time": _number(sim.forward_time),
+        "backward_time": _number(sim.backward_time),
+        "actions": [[str(action) for action in actions] for actions in s.actions],
+        "makespan": _number(sim.makespan),
+        "bubble": float(sim.bubble_fraction),
+        "bubble_exact": str(sim.bubble_fraction),
+        "idle": [float(idle) for idle in sim.idle],
+        "peak_in_flight": sim.peak_in_flight,
+        "p2p_in_order": sim.p2p_in_order,
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``plugintrain schedule``; returns 0, or 2 on bad input."""
+    from plugintrain.strategies.pipeline_schedules import build_schedule, simulate
+
+    args = _parser().parse_args(list(argv))
+    name = args.schedule or ("1f1b" if args.vpp == 1 else "interleaved")
+    try:
+        schedule = build_schedule(name, args.pp, args.vpp, args.microbatches, args.forward_only)
+    except ValueError as error:
+        print(f"plugintrain schedule: error: {error}", file=sys.stderr)
+        return 2
+    sim = simulate(schedule, args.forward_time, args.backward_time)
+    if args.json:
+        print(json.dumps(to_json(sim)))
+    else:
+        print(sim.grid())
+        print()
+        print(sim.summary())
+    return 0

@@ -1,0 +1,326 @@
+"""Pipeline parallelism: stage splitting and one executor for every schedule.
+
+:func:`split_model` cuts a zoo :class:`~plugintrain.model_zoo.Transformer` into this rank's
+model chunks in place (torchtitan's layout: the ``layers`` ``ModuleDict`` keeps the
+full-model keys of the layers it still holds, and ``tok_embeddings``/``norm``/``output`` are
+``None`` on the ranks that do not run the first or last stage), so parameter names,
+tensor-parallel plans and checkpoints keep their full-model paths.
+
+:class:`PipelineExecutor` runs any :class:`~plugintrain.strategies.pipeline_schedules.
+Schedule`: each action is the forward or backward of one micro-batch through one chunk;
+activations and their gradients travel by ``isend``/``irecv`` with a tag per message,
+sends are asynchronous and receives block until needed (so only a cycle of data
+dependencies can hang, which the simulator rules out; ``batch_isend_irecv`` is not used,
+as it has been reported to hang on gloo in some orders). Every message has a fixed
+shape, ``(micro-batch, sequence (/ tp with SP), hidden)``, and a fixed wire dtype, so
+bf16 autocast outputs never meet an fp32 receive buffer of another dtype. Activations
+are freed as soon as their backward has run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from plugintrain.model_zoo.transformer import Transformer
+from plugintrain.strategies.pipeline_schedules import Action, Schedule, build_schedule, forward_only
+
+ContextFactory = Callable[[], AbstractContextManager]
+
+
+def check_layers(n_layer: int, pp: int, vpp: int) -> None:
+    """Raise a ``ValueError`` naming the fix unless ``n_layer`` splits into ``pp * vpp`` chunks."""
+    stages = pp * vpp
+    if n_layer % stages:
+        divisors = [d for d in range(1, n_layer + 1) if n_layer % d == 0]
+        raise ValueError(
+            f"n_layer={n_layer} is not divisible by pipeline_parallel={pp} x"
+            f" virtual_pipeline_parallel={vpp} = {stages} stages; pick pp x vpp among"
+            f" {divisors} or change the number of layers."
+        )
+
+
+def stage_layer_keys(n_layer: int, num_stages: int) -> list[list[str]]:
+    """The ``layers`` keys of each virtual stage: equal, contiguous runs of layers."""
+    per = n_layer // num_stages
+    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(num_stages)]
+
+
+@dataclass
+class StageChunk:
+    """One virtual stage of a split :class:`Transformer` (not a module: the modules stay
+    registered on the split model, under their full-model names)."""
+
+    model: Transformer
+    stage: int
+    layer_keys: list[str]
+    is_first: bool
+    is_last: bool
+
+    def __call__(self, x: Tensor, seq_len: int) -> Tensor:
+        """Token ids ``(B, T)`` (first stage) or hidden states in; hidden states or logits out.
+
+        Args:
+            x: The stage input.
+            seq_len: The full sequence length ``T`` (hidden states may be sequence shards).
+        """
+        model = self.model
+        pos = torch.arange(seq_len, device=x.device)
+        h = model._embed(x, pos) if self.is_first else x
+        rope = (model.rope_cos[pos], model.rope_sin[pos]) if model.rope_cos is not None else None
+        for key in self.layer_keys:
+            h = model.layers[key](h, rope)
+        if self.is_last:
+            h = model.output(model.norm(h))
+        return h
+
+
+def split_model(model: Transformer, rank: int, pp: int, vpp: int = 1) -> list[StageChunk]:
+    """Keep only pipeline rank ``rank``'s ``vpp`` chunks of ``model`` (in place).
+
+    Chunk ``c`` is virtual stage ``c * pp + rank``. The first stage keeps the embeddings,
+    the last the final norm and the head. A head tied to the embedding stays the same
+    ``Parameter`` on the last stage; the strategy keeps the two copies equal by summing
+    their gradients across the first and last stage.
+
+    Returns:
+        The rank's chunks, in chunk order.
+    """
+    n_layer = model.config.n_layer
+    check_layers(n_layer, pp, vpp)
+    num_stages = pp * vpp
+    keys = stage_layer_keys(n_layer, num_stages)
+    stages = [c * pp + rank for c in range(vpp)]
+    owned = {key for s in stages for key in keys[s]}
+    for key in [k for k in model.layers if k not in owned]:
+        del model.layers[key]
+    first, last = 0 in stages, num_stages - 1 in stages
+    if not first:
+        model.tok_embeddings = None
+        model.pos_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return [
+        StageChunk(model, s, keys[s], is_first=s == 0, is_last=s == num_stages - 1) for s in stages
+    ]
+
+
+class PipelineExecutor:
+    """Runs a schedule's actions for one pipeline rank.
+
+    Args:
+        chunks: This rank's chunks, in chunk order (from :func:`split_model`).
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved``.
+        pp: Pipeline ranks.
+        vpp: Chunks per rank.
+        microbatches: Micro-batches per step.
+        rank: This rank's pipeline rank.
+        group: The pipeline process group (ranks in pipeline order); None: the world.
+        loss_fn: ``loss_fn(logits, targets)`` -> mean loss, run on the last stage.
+        hidden_size: Width of the activations between stages.
+        seq_divisor: The activations hold ``seq_len / seq_divisor`` positions (tp with SP).
+        wire_dtype: Dtype of every activation and gradient on the wire.
+        forward_context: Entered around each forward (the precision plugin's autocast).
+        backward_context: Entered around each backward (``loss_parallel`` with tp).
+    """
+
+    def __init__(
+        self,
+        chunks: list[StageChunk],
+        schedule: str,
+        pp: int,
+        vpp: int,
+        microbatches: int,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        hidden_size: int,
+        seq_divisor: int = 1,
+        wire_dtype: torch.dtype = torch.float32,
+        forward_context: ContextFactory = nullcontext,
+        backward_context: ContextFactory = nullcontext,
+    ) -> None:
+        if len(chunks) != vpp:
+            raise ValueError(f"Rank {rank} got {len(chunks)} chunks for vpp={vpp}.")
+        self.chunks = chunks
+        self.pp, self.vpp, self.rank = pp, vpp, rank
+        self.microbatches = microbatches
+        self.train_schedule = build_schedule(schedule, pp, vpp, microbatches)
+        self.group = group
+        self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
+        self.loss_fn = loss_fn
+        self.hidden_size = hidden_size
+        self.seq_divisor = seq_divisor
+        self.wire_dtype = wire_dtype
+        self.forward_context = forward_context
+        self.backward_context = backward_context
+        self.num_stages = pp * vpp
+        # Per step; kept as attributes so tests and benchmarks can read them.
+        self.peak_stashed = 0
+        self._sends: list[tuple[dist.Work, Tensor]] = []
+        self._step_microbatches = microbatches
+
+    @property
+    def is_last_rank(self) -> bool:
+        """Whether this rank runs the last virtual stage (and computes the loss)."""
+        return self.rank == self.pp - 1
+
+    @property
+    def last_rank_global(self) -> int:
+        """Global rank of the pipeline rank that computes the loss."""
+        return self.peers[self.pp - 1]
+
+    # ---- p2p ------------------------------------------------------------------------------
+
+    def _tag(self, kind: str, stage: int, microbatch: int) -> int:
+        """A distinct tag per message of a step: the producing stage, micro-batch, direction."""
+        return (stage * self._step_microbatches + microbatch) * 2 + (kind == "B")
+
+    def _send(self, tensor: Tensor, to_stage: int, tag: int) -> None:
+        peer = self.peers[to_stage % self.pp]
+        wire = tensor.detach().to(self.wire_dtype).contiguous()
+        self._sends.append((dist.isend(wire, dst=peer, group=self.group, tag=tag), wire))
+
+    def _recv(
+        self, shape: tuple[int, ...], from_stage: int, tag: int, device: torch.device
+    ) -> Tensor:
+        peer = self.peers[from_stage % self.pp]
+        buffer = torch.empty(shape, dtype=self.wire_dtype, device=device)
+        dist.irecv(buffer, src=peer, group=self.group, tag=tag).wait()
+        return buffer
+
+    def _wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    # ---- steps ----------------------------------------------------------------------------
+
+    def train_step(
+        self,
+        inputs: list[Tensor],
+        targets: list[Tensor],
+        loss_scale: float = 1.0,
+        scale_loss: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor | None:
+        """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
+
+        Args:
+            inputs: Per micro-batch token ids ``(b, T)`` (read on the first stage).
+            targets: Per micro-batch targets ``(b, T)`` (read on the last stage).
+            loss_scale: Each micro-batch loss is multiplied by this before backward
+                (``1 / (microbatches * accumulation)`` for the batch mean).
+            scale_loss: A further loss scaling for backward (FP16's loss scaler).
+
+        Returns:
+            The mean of the micro-batch losses on the last rank, None on the others.
+        """
+        return self._run(self.train_schedule, inputs, targets, loss_scale, scale_loss)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: list[Tensor], targets: list[Tensor]) -> Tensor | None:
+        """Forward-only schedule over any number of equal micro-batches.
+
+        Returns:
+            The mean micro-batch loss on the last rank, None on the others.
+        """
+        schedule = forward_only(self.pp, self.vpp, len(inputs))
+        return self._run(schedule, inputs, targets, 1.0, None)
+
+    def _run(
+        self,
+        schedule: Schedule,
+        inputs: list[Tensor],
+        targets: list[Tensor],
+        loss_scale: float,
+        scale_loss: Callable[[Tensor], Tensor] | None,
+    ) -> Tensor | None:
+        if len(inputs) != schedule.microbatches:
+            raise ValueError(
+                f"The {schedule.name} schedule runs {schedule.microbatches} micro-batches, got"
+                f" {len(inputs)}."
+            )
+        self._step_microbatches = schedule.microbatches
+        b, seq_len = inputs[0].shape
+        shape = (b, seq_len // self.seq_divisor, self.hidden_size)
+        device = inputs[0].device
+        training = not schedule.forward_only
+        stash: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        losses: list[Tensor] = []
+        self.peak_stashed = 0
+        try:
+            for action in schedule.actions[self.rank]:
+                if action.kind == "F":
+                    self._forward(
+                        action, inputs, targets, shape, seq_len, device, training, stash, losses
+                    )
+                    self.peak_stashed = max(self.peak_stashed, len(stash))
+                else:
+                    self._backward(action, shape, device, stash, loss_scale, scale_loss)
+        finally:
+            self._wait_sends()
+        if not losses:
+            return None
+        return torch.stack(losses).mean()
+
+    def _forward(
+        self,
+        action: Action,
+        inputs: list[Tensor],
+        targets: list[Tensor],
+        shape: tuple[int, ...],
+        seq_len: int,
+        device: torch.device,
+        training: bool,
+        stash: dict,
+        losses: list[Tensor],
+    ) -> None:
+        chunk = self.chunks[action.chunk]
+        mb = action.microbatch
+        if chunk.is_first:
+            x = inputs[mb]
+        else:
+            x = self._recv(shape, chunk.stage - 1, self._tag("F", chunk.stage - 1, mb), device)
+            x.requires_grad_(training)
+        with self.forward_context():
+            out = chunk(x, seq_len)
+            if chunk.is_last:
+                out = self.loss_fn(out, targets[mb])
+        if chunk.is_last:
+            losses.append(out.detach().float())
+        else:
+            self._send(out, chunk.stage + 1, self._tag("F", chunk.stage, mb))
+        if training:
+            stash[(action.chunk, mb)] = (None if chunk.is_first else x, out)
+
+    def _backward(
+        self,
+        action: Action,
+        shape: tuple[int, ...],
+        device: torch.device,
+        stash: dict,
+        loss_scale: float,
+        scale_loss: Callable[[Tensor], Tensor] | None,
+    ) -> None:
+        chunk = self.chunks[action.chunk]
+        mb = action.microbatch
+        x, out = stash.pop((action.chunk, mb))
+        with self.backward_context():
+            if chunk.is_last:
+                loss = out * loss_scale
+                torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)
+            else:
+                grad = self._recv(
+                    shape, chunk.stage + 1, self._tag("B", chunk.stage + 1, mb), device
+                )
+                torch.autograd.backward(out, grad.to(out.dtype))
+        if x is not None:
+            assert x.grad is not None
+            self._send(x.grad, chunk.stage - 1, self._tag("B", chunk.stage, mb))
+        del x, out  # the activations of this micro-batch and chunk are free now

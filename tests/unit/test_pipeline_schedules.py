@@ -1,0 +1,434 @@
+"""Pipeline schedules as data: completeness, deadlock freedom, memory and bubble.
+
+Every generated schedule is run through the symbolic simulator for a range of layouts;
+the properties are checked against the action lists themselves, against hand-derived
+lists for small cases, and against the closed-form bubble of the papers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+
+from plugintrain.strategies.pipeline_schedules import (
+    SCHEDULES,
+    Action,
+    DeadlockError,
+    Schedule,
+    Simulation,
+    build_schedule,
+    check_complete,
+    forward_only,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    simulate,
+    textbook_bubble,
+    validate,
+)
+
+PPS = (1, 2, 3, 4, 8)
+MICROBATCHES = (1, 2, 4, 8, 16)
+TIMES = ((1, 2), (1, 1))
+"""``(forward_time, backward_time)``: the usual 1:2 ratio, and equal times."""
+
+FLAT = [(name, pp, 1, m) for name in ("gpipe", "1f1b") for pp in PPS for m in MICROBATCHES]
+INTERLEAVED = [
+    ("interleaved", pp, vpp, pp * groups)
+    for pp in PPS
+    for vpp in (2, 3)
+    for groups in (1, 2, 4)  # the interleaved schedule needs microbatches % pp == 0
+]
+LAYOUTS = FLAT + INTERLEAVED
+
+
+def _ids(layouts: list[tuple]) -> list[str]:
+    return [f"{name}-pp{pp}-vpp{vpp}-m{m}" for name, pp, vpp, m in layouts]
+
+
+layouts = pytest.mark.parametrize(("name", "pp", "vpp", "m"), LAYOUTS, ids=_ids(LAYOUTS))
+times = pytest.mark.parametrize(("forward_time", "backward_time"), TIMES, ids=["f1b2", "f1b1"])
+
+
+def _text(actions: list[Action]) -> str:
+    return " ".join(str(action) for action in actions)
+
+
+def _running_in_flight(actions: list[Action]) -> int:
+    live = peak = 0
+    for action in actions:
+        live += 1 if action.kind == "F" else -1
+        assert live >= 0, f"a backward before its forward in {_text(actions)}"
+        peak = max(peak, live)
+    return peak
+
+
+# ---- structure of the generated action lists ------------------------------------------------
+
+
+@layouts
+@pytest.mark.parametrize("forward_only", [False, True], ids=["train", "forward_only"])
+def test_every_forward_and_backward_runs_exactly_once(
+    name: str, pp: int, vpp: int, m: int, forward_only: bool
+) -> None:
+    schedule = build_schedule(name, pp, vpp, m, forward_only)
+    assert (schedule.name, schedule.pp, schedule.vpp, schedule.microbatches) == (name, pp, vpp, m)
+    assert schedule.forward_only is forward_only
+    assert len(schedule.actions) == pp
+    kinds = ("F",) if forward_only else ("F", "B")
+    expected = Counter(Action(k, mb, c) for k in kinds for mb in range(m) for c in range(vpp))
+    for rank, actions in enumerate(schedule.actions):
+        assert Counter(actions) == expected, f"rank {rank}: {_text(actions)}"
+    check_complete(schedule)  # agrees: no exception
+
+
+@pytest.mark.parametrize(("pp", "m"), [(pp, m) for pp in PPS for m in MICROBATCHES])
+def test_one_f_one_b_shape(pp: int, m: int) -> None:
+    """Warm-up forwards, then never two forwards in a row; both kinds in micro-batch order."""
+    for rank, actions in enumerate(one_f_one_b(pp, m).actions):
+        warmup = min(pp - rank - 1, m)
+        assert all(a.kind == "F" for a in actions[:warmup])
+        first_backward = next(i for i, a in enumerate(actions) if a.kind == "B")
+        assert first_backward == min(warmup + 1, m)
+        after = "".join(a.kind for a in actions[first_backward:])
+        assert "FF" not in after, f"rank {rank}: {_text(actions)}"
+        for kind in "FB":
+            assert [a.microbatch for a in actions if a.kind == kind] == list(range(m))
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp", "m"), INTERLEAVED, ids=_ids(INTERLEAVED))
+def test_interleaved_visits_chunks_in_groups_of_pp(name: str, pp: int, vpp: int, m: int) -> None:
+    """Forwards go chunk 0..vpp-1 for each group of pp micro-batches, backwards chunk vpp-1..0."""
+    forward_order = sorted(
+        (Action("F", mb, c) for mb in range(m) for c in range(vpp)),
+        key=lambda a: (a.microbatch // pp, a.chunk, a.microbatch % pp),
+    )
+    backward_order = sorted(
+        (Action("B", mb, c) for mb in range(m) for c in range(vpp)),
+        key=lambda a: (a.microbatch // pp, -a.chunk, a.microbatch % pp),
+    )
+    for actions in interleaved(pp, vpp, m).actions:
+        assert [a for a in actions if a.kind == "F"] == forward_order
+        assert [a for a in actions if a.kind == "B"] == backward_order
+
+
+# ---- hand-derived lists for small cases ---------------------------------------------------------
+
+
+def test_one_f_one_b_pp4_m4_by_hand() -> None:
+    # rank r: pp - r - 1 warm-up forwards, then F/B alternating, then the remaining B.
+    assert [_text(a) for a in one_f_one_b(4, 4).actions] == [
+        "F0 F1 F2 F3 B0 B1 B2 B3",
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+
+
+def test_one_f_one_b_pp4_m8_by_hand() -> None:
+    actions = one_f_one_b(4, 8).actions
+    assert _text(actions[0]) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    assert _text(actions[3]) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+
+
+def test_gpipe_pp2_m3_by_hand() -> None:
+    assert [_text(a) for a in gpipe(2, 3).actions] == ["F0 F1 F2 B0 B1 B2"] * 2
+
+
+def test_interleaved_pp2_vpp2_m4_by_hand() -> None:
+    # Megatron's order: forward k is micro-batch (k // 4) * 2 + k % 2 of chunk (k % 4) // 2,
+    #   F0 F1 F0.1 F1.1 F2 F3 F2.1 F3.1; backwards mirror the chunks: B0.1 B1.1 B0 B1 B2.1 ...
+    # Warm-up: (pp - r - 1) * 2 + (vpp - 1) * pp forwards = 4 on rank 0 and 2 on rank 1;
+    # then one forward and one backward at a time; then the remaining backwards.
+    rank0, rank1 = interleaved(2, 2, 4).actions
+    assert _text(rank0) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
+    assert _text(rank1) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"
+
+
+def test_interleaved_with_one_group_is_all_forwards_then_all_backwards() -> None:
+    # microbatches == pp: Megatron warms up with every forward.
+    for actions in interleaved(3, 2, 3).actions:
+        assert _text(actions) == "F0 F1 F2 F0.1 F1.1 F2.1 B0.1 B1.1 B2.1 B0 B1 B2"
+
+
+# ---- simulation: deadlock freedom, causality, memory, bubble -----------------------------------
+
+
+def _check_causal(sim: Simulation) -> None:
+    """Each action starts after its inputs exist and after its rank's previous action."""
+    s = sim.schedule
+    end = {(slot.action.kind, slot.stage, slot.action.microbatch): slot.end
+           for rank in sim.timeline for slot in rank}  # fmt: skip
+    last = s.num_stages - 1
+    for rank, slots in enumerate(sim.timeline):
+        assert [slot.action for slot in slots] == s.actions[rank]
+        for previous, slot in zip([None, *slots], slots, strict=False):
+            assert slot.start >= (previous.end if previous else 0)
+            assert slot.stage == s.stage_of(rank, slot.action.chunk)
+            mb = slot.action.microbatch
+            duration = sim.forward_time if slot.action.kind == "F" else sim.backward_time
+            assert slot.end - slot.start == duration / s.vpp
+            if slot.action.kind == "F" and slot.stage > 0:
+                assert slot.start >= end[("F", slot.stage - 1, mb)]
+            if slot.action.kind == "B":
+                assert slot.start >= end[("F", slot.stage, mb)]
+                if slot.stage < last:
+                    assert slot.start >= end[("B", slot.stage + 1, mb)]
+
+
+@layouts
+@times
+def test_simulates_without_deadlock_and_in_p2p_order(
+    name: str, pp: int, vpp: int, m: int, forward_time: int, backward_time: int
+) -> None:
+    sim = simulate(build_schedule(name, pp, vpp, m), forward_time, backward_time)
+    _check_causal(sim)
+    assert sim.p2p_in_order is True
+    assert sim.makespan == max(rank[-1].end for rank in sim.timeline)
+    assert sim.busy == [m * Fraction(forward_time + backward_time)] * pp
+    assert sim.idle == [1 - busy / sim.makespan for busy in sim.busy]
+
+
+@layouts
+def test_peak_in_flight(name: str, pp: int, vpp: int, m: int) -> None:
+    schedule = build_schedule(name, pp, vpp, m)
+    sim = simulate(schedule)
+    assert sim.peak_in_flight == [_running_in_flight(actions) for actions in schedule.actions]
+    for rank, peak in enumerate(sim.peak_in_flight):
+        if name == "gpipe":
+            assert peak == m
+        elif name == "1f1b":
+            assert peak == min(pp - rank, m)
+        elif m == pp:
+            assert peak == m * vpp  # one group: every forward before the first backward
+        else:
+            assert peak == (pp - rank - 1) * 2 + (vpp - 1) * pp + 1
+    assert sim.peak_in_flight == sorted(sim.peak_in_flight, reverse=True)
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp", "m"), FLAT, ids=_ids(FLAT))
+@times
+def test_flat_schedules_have_the_textbook_bubble(
+    name: str, pp: int, vpp: int, m: int, forward_time: int, backward_time: int
+) -> None:
+    sim = simulate(build_schedule(name, pp, vpp, m), forward_time, backward_time)
+    assert sim.bubble_fraction == Fraction(pp - 1, m + pp - 1) == textbook_bubble(pp, m)
+    assert sim.makespan == (m + pp - 1) * (forward_time + backward_time)
+    assert sim.idle == [sim.bubble_fraction] * pp
+
+
+@pytest.mark.parametrize(("name", "pp", "vpp", "m"), INTERLEAVED, ids=_ids(INTERLEAVED))
+@times
+def test_interleaved_shrinks_the_bubble_vpp_fold(
+    name: str, pp: int, vpp: int, m: int, forward_time: int, backward_time: int
+) -> None:
+    sim = simulate(interleaved(pp, vpp, m), forward_time, backward_time)
+    assert sim.bubble_fraction == Fraction(pp - 1, vpp * m + pp - 1) == textbook_bubble(pp, m, vpp)
+    flat = simulate(one_f_one_b(pp, m), forward_time, backward_time)
+    if pp > 1:
+        assert sim.bubble_fraction < flat.bubble_fraction
+        assert sim.makespan < flat.makespan
+    else:
+        assert sim.bubble_fraction == flat.bubble_fraction == 0
+
+
+@layouts
+def test_forward_only_runs_forwards_alone(name: str, pp: int, vpp: int, m: int) -> None:
+    schedule = build_schedule(name, pp, vpp, m, forward_only=True)
+    assert schedule.name == name
+    assert {a.kind for actions in schedule.actions for a in actions} == {"F"}
+    assert schedule.forward_only is True
+    sim = simulate(schedule, 1, 2)
+    _check_causal(sim)
+    assert sim.p2p_in_order is True
+    assert sim.makespan == Fraction(vpp * m + pp - 1, vpp)
+    assert sim.bubble_fraction == textbook_bubble(pp, m, vpp)
+
+
+@pytest.mark.parametrize(
+    ("pp", "vpp", "m"), [(1, 1, 1), (2, 1, 3), (4, 2, 3), (3, 3, 7), (4, 2, 8), (8, 1, 5)]
+)
+def test_evaluation_schedule_takes_any_microbatch_count(pp: int, vpp: int, m: int) -> None:
+    schedule = forward_only(pp, vpp, m)
+    expected = [Action("F", mb, c) for c in range(vpp) for mb in range(m)]
+    assert schedule.actions == [expected] * pp
+    assert schedule.forward_only is True
+    sim = simulate(schedule, 1, 2)
+    _check_causal(sim)
+    assert sim.p2p_in_order is True
+    if m >= pp or vpp == 1:
+        assert sim.bubble_fraction == textbook_bubble(pp, m, vpp)
+    else:  # chunk 1 of rank 0 waits for micro-batch 0 to leave the last rank's chunk 0
+        assert sim.bubble_fraction > textbook_bubble(pp, m, vpp)
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1, got 0"):
+        forward_only(pp, vpp, 0)
+
+
+# ---- hand-made schedules that must be refused ---------------------------------------------------
+
+
+def _schedule(pp: int, m: int, *ranks: str, vpp: int = 1, name: str = "custom") -> Schedule:
+    def parse(token: str) -> Action:
+        head, _, chunk = token.partition(".")
+        return Action(head[0], int(head[1:]), int(chunk or 0))  # type: ignore[arg-type]
+
+    return Schedule(name, pp, vpp, m, [[parse(t) for t in rank.split()] for rank in ranks])
+
+
+@pytest.mark.parametrize(
+    ("ranks", "stuck"),
+    [
+        # rank 1's F1 needs rank 0's F1, queued behind B0, which needs rank 1's B0.
+        (("F0 B0 F1 B1", "F1 B1 F0 B0"), ["rank 0 waits at B0", "rank 1 waits at F1"]),
+        # one rank cannot run a backward before its own forward.
+        (("B0 F0",), ["rank 0 waits at B0"]),
+        # rank 0 waits for B0 before sending F1; rank 1 runs F1 before B0.
+        (("F0 B0 F1 B1", "F0 F1 B0 B1"), ["rank 0 waits at B0", "rank 1 waits at F1"]),
+    ],
+    ids=["crossed", "backward_first", "late_backward"],
+)
+def test_deadlock_names_the_stuck_actions(ranks: tuple[str, ...], stuck: list[str]) -> None:
+    schedule = _schedule(len(ranks), 2 if len(ranks) > 1 else 1, *ranks)
+    check_complete(schedule)  # complete: the problem is the order
+    with pytest.raises(DeadlockError, match="custom schedule deadlocks") as raised:
+        simulate(schedule)
+    for phrase in stuck:
+        assert phrase in str(raised.value)
+
+
+def test_reordered_receives_run_but_are_out_of_p2p_order() -> None:
+    # Rank 1 takes micro-batch 1 before 0: no cycle, but on NCCL (which ignores tags) its
+    # first receive would match rank 0's first send, the activation of micro-batch 0.
+    schedule = _schedule(2, 2, "F0 F1 B0 B1", "F1 F0 B1 B0")
+    sim = simulate(schedule)
+    assert sim.p2p_in_order is False
+    _check_causal(sim)
+
+
+def test_deadlock_across_chunks() -> None:
+    # pp=2, vpp=2: rank 0 runs chunk 1 (stage 2) before rank 1 has run stage 1.
+    schedule = _schedule(2, 1, "F0.1 F0 B0.1 B0", "F0 F0.1 B0.1 B0", vpp=2)
+    with pytest.raises(DeadlockError, match=r"rank 0 waits at F0\.1, rank 1 waits at F0\b"):
+        simulate(schedule)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "match"),
+    [
+        (("F0 F1 B0", "F0 B0 F1 B1"), r"rank 0 of the custom schedule: missing \[\('B', 1, 0\)\]"),
+        (("F0 F1 B0 B1", "F0 B0 F1 B1 B1"), r"rank 1 .*repeated \[\('B', 1, 0\)\]"),
+        (("F0 F1 B0 B1 F2", "F0 B0 F1 B1"), r"rank 0 .*unexpected \[\('F', 2, 0\)\]"),
+        (("F0 F1 B0 B1",), r"1 action lists for pp=2"),
+    ],
+    ids=["missing", "repeated", "extra", "missing_rank"],
+)
+def test_incomplete_schedule_is_refused(ranks: tuple[str, ...], match: str) -> None:
+    schedule = _schedule(2, 2, *ranks)
+    with pytest.raises(ValueError, match=match):
+        check_complete(schedule)
+    with pytest.raises(ValueError, match=match):
+        simulate(schedule)
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "pp", "vpp", "m", "match"),
+    [
+        ("zero_bubble", 2, 1, 4, r"Unknown pipeline schedule 'zero_bubble'; use one of \["),
+        ("gpipe", 2, 2, 4, r"schedule='gpipe' .* virtual_pipeline_parallel=2; use schedule="),
+        ("1f1b", 2, 3, 4, r"schedule='1f1b' .* virtual_pipeline_parallel=3"),
+        ("interleaved", 4, 2, 6, r"got microbatches=6; use e\.g\. 8\."),
+        (
+            "interleaved",
+            4,
+            2,
+            2,
+            r"multiple of pipeline_parallel=4 .* microbatches=2; use e\.g\. 4",
+        ),
+        ("1f1b", 0, 1, 4, r"pipeline_parallel must be an integer >= 1, got 0\."),
+        ("interleaved", 2, 0, 4, r"virtual_pipeline_parallel must be an integer >= 1, got 0\."),
+        ("gpipe", 2, 1, -1, r"microbatches must be an integer >= 1, got -1\."),
+        ("gpipe", 2.0, 1, 4, r"pipeline_parallel must be an integer >= 1, got 2\.0\."),
+        ("gpipe", True, 1, 4, r"pipeline_parallel must be an integer >= 1, got True\."),
+    ],
+)
+def test_validate_names_the_value_and_the_fix(
+    name: str, pp: int, vpp: int, m: int, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        validate(pp, vpp, m, name)
+    with pytest.raises(ValueError, match=match):
+        build_schedule(name, pp, vpp, m)
+
+
+def test_generators_validate_their_arguments() -> None:
+    with pytest.raises(ValueError, match="got 0"):
+        gpipe(0, 4)
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
+        one_f_one_b(2, 0)
+    with pytest.raises(ValueError, match="got microbatches=6"):
+        interleaved(4, 2, 6)
+
+
+def test_schedule_names_and_stage_layout() -> None:
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved")
+    schedule = interleaved(4, 2, 4)
+    assert schedule.num_stages == 8
+    assert [schedule.stage_of(rank, 1) for rank in range(4)] == [4, 5, 6, 7]
+    assert [schedule.rank_of(stage) for stage in (0, 3, 4, 7)] == [(0, 0), (3, 0), (0, 1), (3, 1)]
+
+
+# ---- text output --------------------------------------------------------------------------------
+
+
+def _cells(line: str) -> list[str]:
+    return line.split("|", 1)[1].split()
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 4), (4, 8), (8, 16)])
+def test_grid_one_row_per_rank_idle_while_filling(pp: int, m: int) -> None:
+    sim = simulate(one_f_one_b(pp, m), 1, 2)  # one column per time unit
+    lines = sim.grid().splitlines()
+    assert len(lines) == pp + 1
+    assert lines[0].split()[:3] == ["time", "|", "0"]
+    for rank, line in enumerate(lines[1:]):
+        assert line.startswith(f"rank {rank:>2} | ")
+        cells = _cells(line)
+        assert cells[:rank] == ["."] * rank  # waits for the first forward to arrive
+        assert cells[rank] == "F0"
+        assert "B0" in cells
+        assert len(cells) == sim.makespan
+        assert cells.count(".") == sim.makespan - sim.busy[rank]
+
+
+def test_grid_axis_is_in_time_units() -> None:
+    sim = simulate(interleaved(2, 2, 4), 1, 2)  # half-unit columns, makespan 13.5
+    lines = sim.grid().splitlines()
+    assert sim.makespan == Fraction(27, 2)
+    assert lines[0].split() == ["time", "|", "0", "5", "10"]
+    assert all(len(_cells(line)) == 27 for line in lines[1:])
+    assert _cells(lines[1])[:3] == ["F0", "F1", "F0.1"]
+    assert _cells(lines[2])[:5] == [".", "F0", "F1", "F0.1", "B0.1"]
+    # Cells are 4 characters ("F0.1") and a space after a 10-character prefix: the header's
+    # "10" sits above column 20, which starts at time 10.
+    assert lines[0][10 + 20 * 5 :] == "10"  # the last label; the header is right-stripped
+    assert sim.timeline[0][-1].end == Fraction(27, 2)
+    assert lines[1][10 + 26 * 5 :] == "B3"  # rank 0's last cell: the last half unit
+
+
+def test_summary_reports_bubble_idle_and_peak() -> None:
+    sim = simulate(one_f_one_b(4, 8), 1, 2)
+    lines = sim.summary().splitlines()
+    assert len(lines) == 4 + 2
+    assert lines[0].startswith("schedule=1f1b pp=4 vpp=1 microbatches=8")
+    assert "peak in-flight 4 micro-batch chunks" in lines[1]
+    assert "peak in-flight 1 micro-batch chunks" in lines[4]
+    assert "idle  27.3%" in lines[2]
+    assert lines[-1].startswith("makespan 33, bubble 27.3%")
+    assert "p2p order matched: True" in lines[-1]
+    interleaved_summary = simulate(interleaved(4, 2, 8)).summary()
+    assert "makespan 28.5, bubble 15.8%" in interleaved_summary
