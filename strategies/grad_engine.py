@@ -570,6 +570,10 @@ class GradientEngine:
         ]
         return {"state": state, "param_groups": groups}
 
+    def parameter_names(self, optimizer: Optimizer) -> list[str]:
+        """Names of the parameters ``optimizer`` steps, group by group (after :meth:`attach`)."""
+        return [name for group in self._group_names[optimizer] for name in group]
+
     def _state_meta(self, optimizer: Optimizer) -> dict[str, tuple[dict[str, Any], set]]:
         """Per name: scalar state (e.g. ``step``) and the ``(key, dtype)`` of sharded state.
 

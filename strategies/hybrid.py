@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -305,6 +306,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._tied: list[Tensor] = []
         self._tied_group: dist.ProcessGroup | None = None
         self._accumulating = False
+        # Saved optimizer-state name -> this model's name (a tied head's other name).
+        self._aliases: dict[str, str] = {}
 
     @property
     def pipelined(self) -> bool:
@@ -562,9 +565,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._engine is None:
             return super().optimizer_state(optimizer)
+        optimizer = unwrap_optimizer(optimizer)
+        if self.dims.tensor_parallel == 1:
+            # Whole tensors keyed by parameter name, gathered to each dp group's rank 0:
+            # DCP stores each name once, so any pp x dp layout (and ZeRO stage) can read it.
+            full = self._engine.optimizer_state_dict(optimizer)
+            groups = [
+                {**{k: v for k, v in group.items() if k != "params"}, "params": []}
+                for group in optimizer.param_groups
+            ]
+            return {"state": full.get("state", {}), "param_groups": groups}
         # Each rank saves its own shard's state; DCP stores it as an opaque byte stream.
         buffer = io.BytesIO()
-        torch.save(unwrap_optimizer(optimizer).state_dict(), buffer)
+        torch.save(optimizer.state_dict(), buffer)
         buffer.seek(0)
         return {self._shard_key(): buffer}
 
@@ -579,26 +592,65 @@ class HybridParallelStrategy(ModelParallelStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(checkpoint_path))
         assert self.model is not None
+        saved = FileSystemReader(path).read_metadata().state_dict_metadata
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
-        state.update(
-            {
-                f"optimizer_{i}": {self._shard_key(): io.BytesIO()}
-                for i in range(len(self.optimizers))
-            }
-        )
+        for i, optimizer in enumerate(self.optimizers):
+            state[f"optimizer_{i}"] = self._optimizer_template(i, unwrap_optimizer(optimizer), saved)
         dcp.load(state, checkpoint_id=path)
         self.model.load_state_dict(state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):
-            buffer = state[f"optimizer_{i}"][self._shard_key()]
-            buffer.seek(0)
-            unwrap_optimizer(optimizer).load_state_dict(torch.load(buffer, weights_only=True))
+            loaded = state[f"optimizer_{i}"]
+            optimizer = unwrap_optimizer(optimizer)
+            if "state" in loaded:
+                self._engine.load_optimizer_state_dict(optimizer, self._unalias(loaded))
+            else:
+                buffer = loaded[self._shard_key()]
+                buffer.seek(0)
+                optimizer.load_state_dict(torch.load(buffer, weights_only=True))
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def _optimizer_template(
+        self, index: int, optimizer: Optimizer, saved: dict[str, Any]
+    ) -> dict[str, Any]:
+        """What this rank reads of optimizer ``index``: its own parameters' tensors by name
+        (under any layout), or its own byte-stream shard (a tp > 1 checkpoint)."""
+        prefix = f"optimizer_{index}."
+        groups = _saved_groups(saved, prefix + "param_groups.")
+        if not groups:
+            if prefix + self._shard_key() not in saved:
+                raise ValueError(
+                    f"The checkpoint's optimizer state was saved per rank by a layout with"
+                    f" tensor_parallel > 1 and has no shard for rank {self.global_rank} of"
+                    f" {self.world_size}; resume it with the layout that saved it."
+                )
+            return {self._shard_key(): io.BytesIO()}
+        assert self._engine is not None
+        self._aliases = {}
+        state: dict[str, dict[str, Tensor]] = {}
+        for name in self._engine.parameter_names(optimizer):
+            for candidate in (name, *_tied_aliases(name)):
+                keys = _state_keys(saved, f"{prefix}state.{candidate}.")
+                if keys:
+                    state[candidate] = {
+                        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+                        for key, meta in keys.items()
+                    }
+                    if candidate != name:
+                        self._aliases[candidate] = name
+                    break
+        # DCP stores each group's hyperparameters as one entry per key; None is a slot.
+        return {"state": state, "param_groups": groups}
+
+    def _unalias(self, loaded: dict[str, Any]) -> dict[str, Any]:
+        state = {self._aliases.get(name, name): values for name, values in loaded["state"].items()}
+        return {"state": state, "param_groups": loaded["param_groups"]}
 
     @override
     def teardown(self) -> None:
         if self._engine is not None:
+            # Hooks go; the engine stays, so `trainer.save_checkpoint` after `fit` still
+            # gathers the optimizer shards it owns.
             self._engine.remove()
-            self._engine = None
         self._executor = None
         super().teardown()
 
@@ -610,6 +662,37 @@ class HybridParallelStrategy(ModelParallelStrategy):
             cls,
             description="pp x tp (+ sp) x dp with ZeRO, on a DeviceMesh",
         )
+
+
+# A head tied to the embedding is one parameter in one process and two on a pipeline
+# (first and last stage); either name finds the other's saved optimizer state.
+_TIED_NAMES = ("tok_embeddings.weight", "output.weight")
+
+
+def _tied_aliases(name: str) -> tuple[str, ...]:
+    for mine, other in (_TIED_NAMES, _TIED_NAMES[::-1]):
+        if name.endswith(mine):
+            return (name[: -len(mine)] + other,)
+    return ()
+
+
+def _saved_groups(saved: dict[str, Any], prefix: str) -> list[dict[str, None]]:
+    """Slots for each saved param group's entries under ``prefix`` (``lr``, ``betas``...)."""
+    groups: dict[int, dict[str, None]] = {}
+    for key in saved:
+        if key.startswith(prefix):
+            index, _, name = key[len(prefix) :].partition(".")
+            groups.setdefault(int(index), {})[name] = None
+    return [groups[i] for i in sorted(groups)]
+
+
+def _state_keys(saved: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Saved tensor entries directly under ``prefix`` (``exp_avg``, ``step``, ...)."""
+    return {
+        key[len(prefix) :]: meta
+        for key, meta in saved.items()
+        if key.startswith(prefix) and "." not in key[len(prefix) :] and hasattr(meta, "size")
+    }
 
 
 def _int_or(value: int | str, default: int) -> int:

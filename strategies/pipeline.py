@@ -19,6 +19,7 @@ are freed as soon as their backward has run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -128,6 +129,13 @@ class PipelineExecutor:
         wire_dtype: Dtype of every activation and gradient on the wire.
         forward_context: Entered around each forward (the precision plugin's autocast).
         backward_context: Entered around each backward (``loss_parallel`` with tp).
+
+    Attributes:
+        peak_stashed: Most micro-batch chunks held for backward during the last step.
+        wait_seconds: Seconds the last step spent blocked on communication: in the
+            ``wait()`` of each receive and of the sends completed at its end. With
+            :attr:`step_seconds` it gives the measured idle fraction, ``wait / step``.
+        step_seconds: Wall time of the last step (``train_step`` or ``eval_step``).
     """
 
     def __init__(
@@ -163,6 +171,8 @@ class PipelineExecutor:
         self.num_stages = pp * vpp
         # Per step; kept as attributes so tests and benchmarks can read them.
         self.peak_stashed = 0
+        self.wait_seconds = 0.0
+        self.step_seconds = 0.0
         self._sends: list[tuple[dist.Work, Tensor]] = []
         self._step_microbatches = microbatches
 
@@ -192,12 +202,17 @@ class PipelineExecutor:
     ) -> Tensor:
         peer = self.peers[from_stage % self.pp]
         buffer = torch.empty(shape, dtype=self.wire_dtype, device=device)
-        dist.irecv(buffer, src=peer, group=self.group, tag=tag).wait()
+        work = dist.irecv(buffer, src=peer, group=self.group, tag=tag)
+        start = time.perf_counter()
+        work.wait()
+        self.wait_seconds += time.perf_counter() - start
         return buffer
 
     def _wait_sends(self) -> None:
+        start = time.perf_counter()
         for work, _ in self._sends:
             work.wait()
+        self.wait_seconds += time.perf_counter() - start
         self._sends.clear()
 
     # ---- steps ----------------------------------------------------------------------------
@@ -246,6 +261,8 @@ class PipelineExecutor:
                 f"The {schedule.name} schedule runs {schedule.microbatches} micro-batches, got"
                 f" {len(inputs)}."
             )
+        start = time.perf_counter()
+        self.wait_seconds = 0.0
         self._step_microbatches = schedule.microbatches
         b, seq_len = inputs[0].shape
         shape = (b, seq_len // self.seq_divisor, self.hidden_size)
@@ -265,6 +282,7 @@ class PipelineExecutor:
                     self._backward(action, shape, device, stash, loss_scale, scale_loss)
         finally:
             self._wait_sends()
+            self.step_seconds = time.perf_counter() - start
         if not losses:
             return None
         return torch.stack(losses).mean()

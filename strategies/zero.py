@@ -143,8 +143,9 @@ class _GradientEngineStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
+            # Hooks go; the engine stays, so `trainer.save_checkpoint` after `fit` still
+            # gathers the optimizer shards it owns.
             self._engine.remove()
-            self._engine = None
         super().teardown()
 
 

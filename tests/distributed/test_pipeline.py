@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plugintrain.model_zoo import CausalLM, TransformerConfig
-from plugintrain.precision_plugins import BF16MixedPrecision, FP32Precision
+from plugintrain.precision_plugins import BF16MixedPrecision, FP16MixedPrecision, FP32Precision
 from plugintrain.strategies import HybridParallelStrategy, PipelineStrategy
 
 from _harness import run_distributed
@@ -67,8 +69,10 @@ def _cases() -> list[Case]:
         cases.append(
             Case("1f1b", 2, dp=2, tp=2, preset="llama3-debug", precision=precision, zero_stage=1)
         )
-    # Data parallelism beside the pipeline with ZeRO-2, and a tied head with 4 stages.
+    # Data parallelism beside the pipeline with ZeRO-2.
     cases.append(Case("interleaved", 2, vpp=2, dp=2, zero_stage=2, microbatches=2))
+    # FP16 loss scaling on the last stage; overflowing steps skipped on every stage.
+    cases.append(Case("1f1b", 2, precision="16-mixed", preset="llama3-debug"))
     return cases
 
 
@@ -99,16 +103,29 @@ class _Losses(Callback):
 
 
 def _precision(name: str) -> Any:
+    if name == "16-mixed":
+        # A scale that overflows fp16 in the first steps: every stage must skip them.
+        return FP16MixedPrecision(init_scale=2.0**24)
     return FP32Precision() if name == "32-true" else BF16MixedPrecision()
 
 
 def _fit(
-    case: Case, strategy: Any = "auto", dp_rank: int = 0, accumulate: int = 1
+    case: Case,
+    strategy: Any = "auto",
+    dp_rank: int = 0,
+    accumulate: int = 1,
+    steps: int = STEPS,
+    save: Path | None = None,
+    resume: Path | None = None,
+    callbacks: tuple[Callback, ...] = (),
+    validate: bool = False,
 ) -> dict[str, Any]:
-    """Fit for STEPS steps of GLOBAL_BATCH sequences; losses and this rank's weights.
+    """Fit for ``steps`` steps of GLOBAL_BATCH sequences; losses and this rank's weights.
 
     With ``accumulate > 1`` (one process only) each step accumulates that many equal
-    micro-batches, and the step's loss is their mean.
+    micro-batches, and the step's loss is their mean. ``save`` writes a checkpoint at the
+    end, ``resume`` continues from one; ``validate`` runs the validation loop on the
+    first GLOBAL_BATCH sequences after each epoch (STEPS steps).
     """
     L.seed_everything(0, verbose=False)
     # Adam's normalized update turns last-bit differences (a norm summed over ranks in
@@ -124,23 +141,39 @@ def _fit(
     dp = 1 if strategy == "auto" else case.dp
     sampler = DistributedSampler(data, num_replicas=dp, rank=dp_rank, shuffle=False)
     losses = _Losses()
+    precision = _precision(case.precision)
     trainer = L.Trainer(
         accelerator="cpu", devices=1 if strategy == "auto" else case.world, strategy=strategy,
-        plugins=[_precision(case.precision)], max_steps=STEPS, gradient_clip_val=0.5,
-        use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
-        accumulate_grad_batches=accumulate,
+        plugins=[precision], max_steps=steps, gradient_clip_val=0.5,
+        use_distributed_sampler=False, logger=False, enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[losses, *callbacks],
+        accumulate_grad_batches=accumulate, limit_val_batches=None if validate else 0,
     )  # fmt: skip
+    batch = GLOBAL_BATCH // dp // accumulate
+    val_data = TensorDataset(*(t[:GLOBAL_BATCH] for t in data.tensors))
+    val_sampler = DistributedSampler(val_data, num_replicas=dp, rank=dp_rank, shuffle=False)
     trainer.fit(
-        module, DataLoader(data, batch_size=GLOBAL_BATCH // dp // accumulate, sampler=sampler)
+        module,
+        DataLoader(data, batch_size=batch, sampler=sampler),
+        DataLoader(val_data, batch_size=GLOBAL_BATCH // dp, sampler=val_sampler),
+        ckpt_path=resume,
     )
+    if save is not None:
+        trainer.save_checkpoint(save)
     # Lightning reports each micro-batch loss divided by `accumulate`.
     step_losses = torch.tensor(losses.losses).view(-1, accumulate).sum(1).tolist()
     params = {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in module.named_parameters()
     }
-    return {"losses": step_losses, "params": params}
+    scaler = getattr(precision, "loss_scaler", None)
+    return {
+        "losses": step_losses,
+        "params": params,
+        "val_loss": trainer.callback_metrics.get("val_loss"),
+        "scale": scaler.scale if scaler is not None else None,
+        "progress_bar": dict(trainer.progress_bar_metrics),
+    }
 
 
 def _strategy(case: Case) -> Any:
@@ -200,6 +233,9 @@ def _reference(case: Case) -> dict[str, Any]:
 _TIED = {"model.output.weight": "model.tok_embeddings.weight"}
 
 
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
 def _tolerance(case: Case) -> dict[str, float]:
     if case.tp > 1 and case.precision != "32-true":
         # Row-parallel Linears round each rank's partial product to bf16 before the tp
@@ -223,3 +259,100 @@ def test_matches_single_process(runs: dict[int, list[dict[Case, dict]]], case: C
             )
         seen |= {_TIED.get(name, name) for name in got["params"]}
     assert seen == set(reference["params"]), "the stages together hold the whole model"
+    if case.precision == "16-mixed":
+        assert reference["scale"] < 2.0**24, "the case must overflow at least once"
+        for rank_results in runs[case.world]:
+            assert rank_results[case]["scale"] == reference["scale"]
+
+
+# ---- checkpoints under another layout, callbacks, validation -------------------------------
+
+RESUME = Case("1f1b", 2, dp=2, zero_stage=1)
+
+
+def _resume_runs(rank: int, world_size: int, root: str) -> dict[str, dict]:
+    """Save after one epoch under one layout, resume for another epoch under others."""
+    tmp = Path(root)
+    pp2 = PipelineStrategy(pipeline_parallel=2, microbatches=4, zero_stage=1)
+    dp4 = HybridParallelStrategy(zero_stage=2)  # no pipeline: dp=4
+    pp4_resumes = {
+        "from_pp2": PipelineStrategy(pipeline_parallel=4, microbatches=4, schedule="gpipe"),
+        "from_dp4": PipelineStrategy(pipeline_parallel=4, virtual_pipeline_parallel=2),
+    }
+    results = {}
+    results["pp2"] = _fit(RESUME, pp2, dp_rank=rank % 2, save=tmp / "pp2")
+    results["dp4"] = _fit(dataclasses.replace(RESUME, dp=4, pp=1), dp4, rank, save=tmp / "dp4")
+    for name, strategy in pp4_resumes.items():
+        source = tmp / name.removeprefix("from_")
+        best = ModelCheckpoint(
+            dirpath=tmp / f"best_{name}",
+            monitor="train_loss",
+            save_top_k=1,
+            every_n_train_steps=1,
+        )
+        # Not strict: the checkpoint was written after the last step of the first epoch, so
+        # the resumed run first closes that (empty) epoch, with no train_loss logged yet.
+        stop = EarlyStopping(
+            monitor="train_loss", patience=100, check_on_train_epoch_end=True, strict=False
+        )
+        results[name] = _fit(
+            dataclasses.replace(RESUME, dp=1, pp=4),
+            strategy,
+            steps=2 * STEPS,
+            resume=source,
+            callbacks=(best, stop),
+            validate=True,
+        )
+        results[name]["best_score"] = best.best_model_score.item()
+        results[name]["best_path"] = best.best_model_path
+        results[name]["stop_best"] = stop.best_score.item()
+    # A dp4 run resumed from the pipeline's checkpoint: the head is tied to the embedding,
+    # one parameter here and two on the pipeline's first and last stage.
+    results["dp4_from_pp2"] = _fit(
+        dataclasses.replace(RESUME, dp=4, pp=1),
+        HybridParallelStrategy(zero_stage=0),
+        rank,
+        steps=2 * STEPS,
+        resume=tmp / "pp2",
+        validate=True,
+    )
+    return results
+
+
+@pytest.fixture(scope="module")
+def resumed() -> list[dict[str, dict]]:
+    with tempfile.TemporaryDirectory() as root:
+        return run_distributed(_resume_runs, 4, root, timeout=900)
+
+
+@pytest.mark.parametrize("run", ["from_pp2", "from_dp4", "dp4_from_pp2"])
+def test_checkpoint_resumes_under_another_layout(resumed: list[dict], run: str) -> None:
+    """Weights and AdamW state (ZeRO-1 sharded on save) reload by full-model names."""
+    reference = _fit(RESUME.__class__(RESUME.schedule, 1), steps=2 * STEPS, validate=True)
+    seen: set[str] = set()
+    for rank_results in resumed:
+        got = rank_results[run]
+        # Only the resumed epoch's steps are recorded by the resumed run.
+        torch.testing.assert_close(got["losses"], reference["losses"][STEPS:], **TOL)
+        for name, param in got["params"].items():
+            torch.testing.assert_close(param, reference["params"][_TIED.get(name, name)], **TOL)
+            seen.add(_TIED.get(name, name))
+        # Validation ran as a forward-only schedule and logged the single process's loss.
+        torch.testing.assert_close(got["val_loss"], reference["val_loss"], **TOL)
+    assert seen == set(reference["params"])
+
+
+def test_loss_reading_callbacks_work(resumed: list[dict]) -> None:
+    """ModelCheckpoint and EarlyStopping monitor train_loss; the progress bar shows it."""
+    for rank_results in resumed:
+        got = rank_results["from_pp2"]
+        best = min(got["losses"])
+        assert got["best_score"] == pytest.approx(best, rel=1e-6)
+        # Checked at the end of the (resumed) epoch: its last step's loss.
+        assert got["stop_best"] == pytest.approx(got["losses"][-1], rel=1e-6)
+        assert Path(got["best_path"]).name.endswith(f"-step={_best_step(got)}.ckpt")
+        assert got["progress_bar"]["train_loss"] == pytest.approx(got["losses"][-1], rel=1e-6)
+
+
+def _best_step(got: dict) -> int:
+    return STEPS + 1 + got["losses"].index(min(got["losses"]))
