@@ -264,9 +264,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, results: mp.Queue) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # ranks share the cores; oversubscription stalls gloo
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=args.pp, timeout=timedelta(minutes=5)
-        )
+        dist.init_process_group("gloo", rank=rank, world_size=args.pp, timeout=timedelta(minutes=5))
         results.put((rank, True, _bench(rank, args)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -325,7 +323,9 @@ def _stage_times(args: argparse.Namespace) -> list[tuple[float, float]]:
     return times
 
 
-def _report(args: argparse.Namespace, ranks: list[dict], stage_times: list) -> bool:
+def _report(
+    args: argparse.Namespace, ranks: list[dict], stage_times: list, load: tuple[float, float]
+) -> bool:
     pp, m = args.pp, args.microbatches
     tokens = m * args.micro_batch_size * args.seq_len
     tf = statistics.mean(f for f, _ in stage_times)
@@ -335,12 +335,14 @@ def _report(args: argparse.Namespace, ranks: list[dict], stage_times: list) -> b
         f"llama3-debug n_layer={args.n_layer} vocab={VOCAB}, pp={pp}, microbatches={m} x"
         f" {args.micro_batch_size} x {args.seq_len} tokens ({tokens} per step), torch"
         f" {torch.__version__}, gloo, 1 thread per rank, {args.steps} timed steps after"
-        f" {args.warmup} warm-up"
+        f" {args.warmup} warm-up; 1-min load average {load[0]:.1f} before, {load[1]:.1f} after"
     )
     print(
         "one micro-batch through one stage (1 process), forward/backward ms: "
-        + ", ".join(f"stage {s} {f * 1e3:.1f}/{b * 1e3:.1f}" for s, (f, b) in enumerate(stage_times))
-        + f"; simulated with forward:backward = 1:{float(ratio):g}"
+        + ", ".join(
+            f"stage {s} {f * 1e3:.1f}/{b * 1e3:.1f}" for s, (f, b) in enumerate(stage_times)
+        )
+        + f"; simulated with forward:backward = 1:{float(ratio):g} and equal stages"
     )
     ok = True
     for name in SCHEDULES:
@@ -384,9 +386,7 @@ def _report(args: argparse.Namespace, ranks: list[dict], stage_times: list) -> b
     print()
     for impl in ("ours", "torch"):
         ratios = [o / g for o, g in zip(peaks[impl]["1f1b"], peaks[impl]["gpipe"], strict=True)]
-        print(
-            f"1F1B peak / GPipe peak, {impl:<5} per rank: {' '.join(f'{r:.2f}' for r in ratios)}"
-        )
+        print(f"1F1B peak / GPipe peak, {impl:<5} per rank: {' '.join(f'{r:.2f}' for r in ratios)}")
     print(
         f"goal: <= pp/m = {pp / m:.2f} plus one stage's activations of one micro-batch"
         f" (GPipe peak / m, so <= (pp+1)/m = {(pp + 1) / m:.2f});"
@@ -400,9 +400,10 @@ def main() -> None:
     torch.set_num_threads(1)
     for name, (vpp, _) in SCHEDULES.items():
         build_schedule(name, args.pp, vpp, args.microbatches)  # fail early on bad layouts
+    load = os.getloadavg()[0]
     stage_times = _stage_times(args)
     ranks = _run_ranks(args)
-    if not _report(args, ranks, stage_times):
+    if not _report(args, ranks, stage_times, (load, os.getloadavg()[0])):
         sys.exit("ours and torch's first-step losses differ")
 
 
