@@ -24,12 +24,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
@@ -595,7 +595,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
         state: dict[str, Any] = {"state_dict": get_model_state_dict(self.model)}
         for i, optimizer in enumerate(self.optimizers):
-            state[f"optimizer_{i}"] = self._optimizer_template(i, unwrap_optimizer(optimizer), saved)
+            state[f"optimizer_{i}"] = self._optimizer_template(
+                i, unwrap_optimizer(optimizer), saved
+            )
         dcp.load(state, checkpoint_id=path)
         self.model.load_state_dict(state["state_dict"])
         for i, optimizer in enumerate(self.optimizers):

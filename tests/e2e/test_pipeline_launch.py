@@ -16,8 +16,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from _cli import RECIPES, REPO, run_cli
 from plugintrain.cli import PluginTrainCLI
+
+from _cli import RECIPES, REPO, run_cli
 
 PIPELINE = RECIPES / "gpt2_debug_pipeline_cpu.yaml"
 FOUR_D = RECIPES / "llama3_debug_4d_cpu.yaml"
@@ -157,8 +158,10 @@ def test_four_d_recipe_matches_single_process(shakespeare_llama3: Path, tmp_path
             r"multiple of pipeline_parallel=2.*microbatches=3; use e.g. 4",
         ),
         (
-            ["--trainer.strategy.init_args.schedule=1f1b",
-             "--trainer.strategy.init_args.virtual_pipeline_parallel=2"],
+            [
+                "--trainer.strategy.init_args.schedule=1f1b",
+                "--trainer.strategy.init_args.virtual_pipeline_parallel=2",
+            ],
             r"schedule='1f1b' runs one model chunk per rank",
         ),
         (
