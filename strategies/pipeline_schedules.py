@@ -407,23 +407,28 @@ def _peak_in_flight(actions: list[Action]) -> int:
 
 
 def _p2p_in_order(schedule: Schedule) -> bool:
-    """Whether each link's messages are consumed in the order they are produced."""
+    """Whether each directed link's messages are consumed in the order they are produced.
+
+    Activations and gradients share a link (with ``vpp > 1`` a rank sends both to the
+    same peer), as they share one channel on backends that match messages by order
+    rather than by tag (NCCL).
+    """
     s = schedule
     last = s.num_stages - 1
-    sent: dict[tuple, list] = defaultdict(list)
-    received: dict[tuple, list] = defaultdict(list)
+    sent: dict[tuple[int, int], list] = defaultdict(list)
+    received: dict[tuple[int, int], list] = defaultdict(list)
     for rank, actions in enumerate(s.actions):
         for action in actions:
             stage = s.stage_of(rank, action.chunk)
             mb = action.microbatch
             if action.kind == "F":
                 if stage < last:
-                    sent[(rank, s.rank_of(stage + 1)[0], "F")].append((stage, mb))
+                    sent[(rank, s.rank_of(stage + 1)[0])].append(("F", stage, mb))
                 if stage > 0:
-                    received[(s.rank_of(stage - 1)[0], rank, "F")].append((stage - 1, mb))
+                    received[(s.rank_of(stage - 1)[0], rank)].append(("F", stage - 1, mb))
             else:
                 if stage > 0:
-                    sent[(rank, s.rank_of(stage - 1)[0], "B")].append((stage, mb))
+                    sent[(rank, s.rank_of(stage - 1)[0])].append(("B", stage, mb))
                 if stage < last:
-                    received[(s.rank_of(stage + 1)[0], rank, "B")].append((stage + 1, mb))
+                    received[(s.rank_of(stage + 1)[0], rank)].append(("B", stage + 1, mb))
     return dict(sent) == dict(received)

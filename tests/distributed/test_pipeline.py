@@ -24,9 +24,16 @@ from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from plugintrain.model_zoo import CausalLM, TransformerConfig
+from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig
 from plugintrain.precision_plugins import BF16MixedPrecision, FP16MixedPrecision, FP32Precision
-from plugintrain.strategies import HybridParallelStrategy, PipelineStrategy
+from plugintrain.strategies import (
+    HybridParallelStrategy,
+    PipelineExecutor,
+    PipelineStrategy,
+    build_schedule,
+    simulate,
+    split_model,
+)
 
 from _harness import run_distributed
 
@@ -196,12 +203,38 @@ def _strategy(case: Case) -> Any:
     )
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[Case, dict]:
-    results = {}
+def _run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[Any, Any]:
+    results: dict[Any, Any] = {}
     for case in cases:
         dp_rank = (rank // case.tp) % case.dp  # mesh (pp, dp, tp), tp innermost
         results[case] = _fit(case, _strategy(case), dp_rank)
+    if world_size in (2, 4):
+        results["peaks"] = _stash_peaks(rank, world_size)
     return results
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+PEAK_LAYOUTS = [("gpipe", 1, 8), ("1f1b", 1, 8), ("1f1b", 1, 2), ("interleaved", 2, 8)]
+
+
+def _stash_peaks(rank: int, pp: int) -> dict[tuple, int]:
+    """The executor's most simultaneously held micro-batch activations, per layout."""
+    peaks = {}
+    for schedule, vpp, microbatches in PEAK_LAYOUTS:
+        torch.manual_seed(0)
+        model = Transformer(_config("llama3-debug"))
+        chunks = split_model(model, rank, pp, vpp)
+        executor = PipelineExecutor(
+            chunks, schedule, pp, vpp, microbatches, rank, None, _loss, hidden_size=32
+        )
+        data = _batches().tensors
+        x, y = (t[: 2 * microbatches] for t in data)
+        executor.train_step(list(x.chunk(microbatches)), list(y.chunk(microbatches)))
+        peaks[(schedule, vpp, microbatches)] = executor.peak_stashed
+    return peaks
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +296,20 @@ def test_matches_single_process(runs: dict[int, list[dict[Case, dict]]], case: C
         assert reference["scale"] < 2.0**24, "the case must overflow at least once"
         for rank_results in runs[case.world]:
             assert rank_results[case]["scale"] == reference["scale"]
+
+
+@pytest.mark.parametrize("layout", PEAK_LAYOUTS, ids=str)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_executor_holds_what_the_simulator_predicts(
+    runs: dict[int, list[dict]], pp: int, layout: tuple[str, int, int]
+) -> None:
+    """Activations are freed when their backward ran: 1F1B holds at most pp - rank."""
+    schedule, vpp, microbatches = layout
+    expected = simulate(build_schedule(schedule, pp, vpp, microbatches)).peak_in_flight
+    got = [rank_results["peaks"][layout] for rank_results in runs[pp]]
+    assert got == expected
+    if schedule == "1f1b":
+        assert got == [min(pp - r, microbatches) for r in range(pp)]
 
 
 # ---- checkpoints under another layout, callbacks, validation -------------------------------
