@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plugintrain.model_zoo import CausalLM
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="plugintrain generate", description="Sample text from a CausalLM checkpoint."
     )
-    parser.add_argument("--ckpt_path", required=True, help="a .ckpt written by `plugintrain fit`")
+    parser.add_argument(
+        "--ckpt_path",
+        required=True,
+        help="a .ckpt written by `plugintrain fit`: a file, or the DCP directory of the"
+        " hybrid and pipeline strategies",
+    )
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument(
@@ -33,16 +45,51 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def load_causal_lm(path: str | Path) -> CausalLM:
+    """A CausalLM from a checkpoint file, or from a distributed (DCP) checkpoint directory.
+
+    A DCP directory (hybrid, pipeline strategies) holds every parameter under its
+    full-model name, spread over the ranks' shard files; it is merged into one state dict
+    on the CPU, whatever the layout that wrote it.
+    """
+    import torch
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from plugintrain.model_zoo import CausalLM
+
+    path = Path(path)
+    if not path.is_dir():
+        return CausalLM.load_from_checkpoint(path, map_location="cpu")
+    if not (path / _METADATA_FILENAME).is_file():
+        raise FileNotFoundError(
+            f"{path} is a directory without {_METADATA_FILENAME}: not a checkpoint written by"
+            " `plugintrain fit`; pass its `last.ckpt` (file or directory)."
+        )
+    meta = torch.load(path / _METADATA_FILENAME, weights_only=False)
+    # LightningCLI adds its own entries (`_class_path`, ...) beside the arguments.
+    accepted = inspect.signature(CausalLM).parameters
+    hparams = {k: v for k, v in meta["hyper_parameters"].items() if k in accepted}
+    module = CausalLM(**hparams)
+    module.configure_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        merged = Path(tmp) / "merged.pt"
+        dcp_to_torch_save(path, merged)
+        # Our own file, which also holds ZeRO optimizer shards as pickled byte streams.
+        state = torch.load(merged, weights_only=False)["state_dict"]
+    module.load_state_dict(state)
+    return module
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``plugintrain generate``; prints each sample to stdout."""
     import torch
 
     from plugintrain.data import get_tokenizer
-    from plugintrain.model_zoo import CausalLM
 
     args = _parser().parse_args(list(argv))
     torch.manual_seed(args.seed)
-    module = CausalLM.load_from_checkpoint(args.ckpt_path, map_location="cpu")
+    module = load_causal_lm(args.ckpt_path)
     module.eval()
     tokenizer = get_tokenizer(args.tokenizer or module.config.family)
     prompt = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)

@@ -10,6 +10,7 @@ parse time, before any process starts.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from plugintrain.cli import PluginTrainCLI
+from plugintrain.data import get_tokenizer
 
 from _cli import RECIPES, REPO, run_cli
 
@@ -182,3 +184,15 @@ def test_bad_pipeline_layout_fails_before_launch(
             ],
             run=False,
         )  # fmt: skip
+
+
+def test_generate_from_a_pipeline_checkpoint(pipeline_run: Path) -> None:
+    """`plugintrain generate` merges the stages' DCP shards into one model."""
+    last = pipeline_run / "gpt2_debug_pipeline_cpu" / "checkpoints" / "last.ckpt"
+    out = run_cli(
+        "generate", f"--ckpt_path={last}", "--prompt=ROMEO:", "--max_new_tokens=5",
+        "--temperature=0", "--json", cwd=REPO,
+    )  # fmt: skip
+    sample = json.loads(out.stdout.strip().splitlines()[-1])
+    prompt = get_tokenizer("gpt2").encode("ROMEO:")
+    assert sample["tokens"][: len(prompt)] == prompt and len(sample["tokens"]) == len(prompt) + 5
