@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
+from typing_extensions import override
 
 
 def _samples_in_batch(batch: Any) -> int:
@@ -28,6 +30,10 @@ class TokenThroughputMonitor(ThroughputMonitor):
     models) and, when the module exposes ``flops_per_batch`` and the device's peak FLOP/s
     is known (CUDA), ``.../mfu``. Keeping Lightning's class means its dtype-aware peak
     FLOP/s lookup and per-device/global split keep working under every strategy.
+
+    Under tensor or pipeline parallelism the ``tp x pp`` ranks of one data-parallel
+    replica process the same batch, so global figures count replicas, not ranks, and MFU
+    divides a replica's FLOP/s by the peak of all of its devices.
     """
 
     def __init__(self, window_size: int = 20, separator: str = "/") -> None:
@@ -43,3 +49,21 @@ class TokenThroughputMonitor(ThroughputMonitor):
             window_size=window_size,
             separator=separator,
         )
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        replicas = _data_parallel_replicas(trainer)
+        for throughput in self._throughputs.values():
+            throughput.world_size = replicas
+            if throughput.available_flops is not None:
+                throughput.available_flops *= trainer.world_size // replicas
+
+
+def _data_parallel_replicas(trainer: Trainer) -> int:
+    """Ranks that read different batches (the strategy's sampler replicas)."""
+    try:
+        kwargs = trainer.strategy.distributed_sampler_kwargs
+    except (AttributeError, RuntimeError):  # a single-device strategy, or no mesh yet
+        return trainer.world_size
+    return int((kwargs or {}).get("num_replicas", trainer.world_size))
