@@ -57,6 +57,7 @@ class Case:
     precision: str = "32-true"
     preset: str = "gpt2-debug"
     zero_stage: int = 0
+    accumulate: int = 1
 
     @property
     def world(self) -> int:
@@ -64,7 +65,11 @@ class Case:
 
     def __str__(self) -> str:
         layout = f"dp{self.dp}-tp{self.tp}-pp{self.pp}-vpp{self.vpp}"
-        return f"{self.preset}-{layout}-{self.schedule}-m{self.microbatches}-{self.precision}"
+        accumulate = f"-acc{self.accumulate}" if self.accumulate > 1 else ""
+        return (
+            f"{self.preset}-{layout}-{self.schedule}-m{self.microbatches}{accumulate}"
+            f"-{self.precision}"
+        )
 
 
 def _cases() -> list[Case]:
@@ -78,6 +83,8 @@ def _cases() -> list[Case]:
         )
     # Data parallelism beside the pipeline with ZeRO-2.
     cases.append(Case("interleaved", 2, vpp=2, dp=2, zero_stage=2, microbatches=2))
+    # Lightning's gradient accumulation around the schedule's own micro-batches.
+    cases.append(Case("1f1b", 2, microbatches=2, accumulate=2))
     # FP16 loss scaling on the last stage; overflowing steps skipped on every stage.
     cases.append(Case("1f1b", 2, precision="16-mixed", preset="llama3-debug"))
     return cases
@@ -129,7 +136,7 @@ def _fit(
 ) -> dict[str, Any]:
     """Fit for ``steps`` steps of GLOBAL_BATCH sequences; losses and this rank's weights.
 
-    With ``accumulate > 1`` (one process only) each step accumulates that many equal
+    With ``accumulate > 1`` each optimizer step accumulates that many equal
     micro-batches, and the step's loss is their mean. ``save`` writes a checkpoint at the
     end, ``resume`` continues from one; ``validate`` runs the validation loop on the
     first GLOBAL_BATCH sequences after each epoch (STEPS steps).
@@ -207,7 +214,7 @@ def _run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[Any, Any]:
     results: dict[Any, Any] = {}
     for case in cases:
         dp_rank = (rank // case.tp) % case.dp  # mesh (pp, dp, tp), tp innermost
-        results[case] = _fit(case, _strategy(case), dp_rank)
+        results[case] = _fit(case, _strategy(case), dp_rank, accumulate=case.accumulate)
     if world_size in (2, 4):
         results["peaks"] = _stash_peaks(rank, world_size)
     return results
@@ -257,8 +264,9 @@ def _reference(case: Case) -> dict[str, Any]:
     which differs from rounding one full-batch sum, so the reference accumulates the
     same micro-batches (``accumulate_grad_batches``) in one process.
     """
-    single = dataclasses.replace(case, dp=1, tp=1, pp=1)
-    accumulate = case.microbatches * case.dp if case.precision != "32-true" else 1
+    single = dataclasses.replace(case, dp=1, tp=1, pp=1, accumulate=1)
+    accumulate = case.microbatches * case.dp * case.accumulate
+    accumulate = accumulate if case.precision != "32-true" else 1
     return _fit(single, accumulate=accumulate)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig, gpt2, llama3
@@ -61,10 +62,25 @@ def test_sequence_length_is_checked_only_with_sp() -> None:
 
 
 def test_strategy_rejects_unsupported_degrees_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"'pipeline_parallel': 2"):
-        HybridParallelStrategy(pipeline_parallel=2)
+    with pytest.raises(ValueError, match=r"expert_parallel=2 is not supported"):
+        HybridParallelStrategy(expert_parallel=2)
+    with pytest.raises(ValueError, match=r"zero_stage=3 \(FSDP2\) cannot be combined"):
+        HybridParallelStrategy(pipeline_parallel=2, zero_stage=3)
+    with pytest.raises(ValueError, match=r"microbatches to be a multiple of pipeline_parallel=2"):
+        HybridParallelStrategy(pipeline_parallel=2, virtual_pipeline_parallel=2, microbatches=3)
     with pytest.raises(ValueError, match="sequence_parallel=True needs"):
         HybridParallelStrategy(sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"wire_dtype='fp32' is not a torch dtype"):
+        HybridParallelStrategy(pipeline_parallel=2, wire_dtype="fp32")
+
+
+def test_pipeline_defaults() -> None:
+    strategy = HybridParallelStrategy(pipeline_parallel=4)
+    assert (strategy.schedule, strategy.microbatches) == ("1f1b", 4)
+    assert HybridParallelStrategy(pipeline_parallel=2, virtual_pipeline_parallel=2).schedule == (
+        "interleaved"
+    )
+    assert HybridParallelStrategy(wire_dtype="bfloat16").wire_dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("family", [gpt2, llama3])
