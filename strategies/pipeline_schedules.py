@@ -277,11 +277,14 @@ class Simulation:
             f" {self.peak_in_flight[r]} micro-batch chunks"
             for r in range(s.pp)
         ]
+        flat = textbook_bubble(s.pp, s.microbatches)
+        textbook = f"GPipe/1F1B textbook (p-1)/(m+p-1) = {float(flat):.1%}"
+        if s.vpp > 1:
+            interleaved = textbook_bubble(s.pp, s.microbatches, s.vpp)
+            textbook += f"; interleaved (p-1)/(v*m+p-1) = {float(interleaved):.1%}"
         tail = (
             f"makespan {float(self.makespan):g}, bubble {float(self.bubble_fraction):.1%}"
-            f" (GPipe/1F1B textbook (p-1)/(m+p-1) ="
-            f" {float(textbook_bubble(s.pp, s.microbatches)):.1%})"
-            f", p2p order matched: {self.p2p_in_order}"
+            f" ({textbook}), p2p order matched: {self.p2p_in_order}"
         )
         return "\n".join([head, *rows, tail])
 
