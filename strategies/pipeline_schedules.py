@@ -73,6 +73,16 @@ class Schedule:
         return stage % self.pp, stage // self.pp
 
 
+def _check_degrees(pp: int, vpp: int, microbatches: int) -> None:
+    for label, value in (
+        ("pipeline_parallel", pp),
+        ("virtual_pipeline_parallel", vpp),
+        ("microbatches", microbatches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be an integer >= 1, got {value!r}.")
+
+
 def validate(pp: int, vpp: int, microbatches: int, name: str) -> None:
     """Raise a ``ValueError`` naming the fix if ``name`` cannot schedule this layout.
 
@@ -84,13 +94,7 @@ def validate(pp: int, vpp: int, microbatches: int, name: str) -> None:
     """
     if name not in SCHEDULES:
         raise ValueError(f"Unknown pipeline schedule {name!r}; use one of {list(SCHEDULES)}.")
-    for label, value in (
-        ("pipeline_parallel", pp),
-        ("virtual_pipeline_parallel", vpp),
-        ("microbatches", microbatches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} must be an integer >= 1, got {value!r}.")
+    _check_degrees(pp, vpp, microbatches)
     if name != "interleaved" and vpp != 1:
         raise ValueError(
             f"schedule={name!r} runs one model chunk per rank, but virtual_pipeline_parallel="
@@ -173,13 +177,7 @@ def forward_only(pp: int, vpp: int, microbatches: int) -> Schedule:
     Ordering by (chunk, micro-batch) follows the stage order, so it cannot deadlock for any
     number of micro-batches (unlike training schedules, it has no divisibility needs).
     """
-    for label, value in (
-        ("pipeline_parallel", pp),
-        ("virtual_pipeline_parallel", vpp),
-        ("microbatches", microbatches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} must be an integer >= 1, got {value!r}.")
+    _check_degrees(pp, vpp, microbatches)
     steps = [Action("F", m, c) for c in range(vpp) for m in range(microbatches)]
     return Schedule("forward", pp, vpp, microbatches, [list(steps) for _ in range(pp)], True)
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
@@ -29,3 +30,21 @@ def run_cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Completed
             f"plugintrain {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
         )
     return proc
+
+
+def logged_losses(log_dir: Path, tag: str = "train_loss") -> dict[int, float]:
+    """Step -> value of a scalar in a TensorBoard run directory (``.../version_0``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def dcp_state_dict(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The model state dict of a DCP checkpoint directory (hybrid, pipeline strategies)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, tmp_path / "merged.pt")
+    # Our own file; it also holds ZeRO optimizer shards as pickled byte streams.
+    return torch.load(tmp_path / "merged.pt", weights_only=False)["state_dict"]

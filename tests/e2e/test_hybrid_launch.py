@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from _cli import RECIPES, REPO, run_cli
+from _cli import RECIPES, REPO, dcp_state_dict, logged_losses, run_cli
 
 RECIPE = RECIPES / "llama3_debug_hybrid_cpu.yaml"
 NAME = "llama3_debug_hybrid_cpu"
@@ -37,9 +36,7 @@ FAST = (
 
 
 def _losses(save_dir: Path) -> dict[int, float]:
-    events = EventAccumulator(str(save_dir / NAME / "version_0"))
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars("train_loss")}
+    return logged_losses(save_dir / NAME / "version_0")
 
 
 def _fit_args(data_dir: Path, save_dir: Path, *extra: str, recipe: Path = RECIPE) -> list[str]:
@@ -105,18 +102,10 @@ def test_weights_match_single_process_fit(
         tmp_path / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,
     )["state_dict"]
-    hybrid = _dcp_state_dict(single_node / NAME / "checkpoints" / "last.ckpt", tmp_path)
+    hybrid = dcp_state_dict(single_node / NAME / "checkpoints" / "last.ckpt", tmp_path)
     assert set(hybrid) <= set(single)
     for name, weight in hybrid.items():
         torch.testing.assert_close(weight, single[name], rtol=1e-4, atol=1e-5, msg=name)
-
-
-def _dcp_state_dict(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(checkpoint, tmp_path / "hybrid_full.pt")
-    # Our own file; it also holds the ZeRO optimizer shards as pickled byte streams.
-    return torch.load(tmp_path / "hybrid_full.pt", weights_only=False)["state_dict"]
 
 
 def _torchrun_node(

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from plugintrain.cli import PluginTrainCLI
 from plugintrain.data import get_tokenizer
 
-from _cli import RECIPES, REPO, run_cli
+from _cli import RECIPES, REPO, dcp_state_dict, logged_losses, run_cli
 
 PIPELINE = RECIPES / "gpt2_debug_pipeline_cpu.yaml"
 FOUR_D = RECIPES / "llama3_debug_4d_cpu.yaml"
@@ -37,9 +36,7 @@ FAST = (
 
 
 def _losses(save_dir: Path, name: str) -> dict[int, float]:
-    events = EventAccumulator(str(save_dir / name / "version_0"))
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars("train_loss")}
+    return logged_losses(save_dir / name / "version_0")
 
 
 def _fit_args(recipe: Path, data_dir: Path, save_dir: Path, *extra: str) -> list[str]:
@@ -49,13 +46,6 @@ def _fit_args(recipe: Path, data_dir: Path, save_dir: Path, *extra: str) -> list
         f"--trainer.logger.init_args.save_dir={save_dir}",
         f"--trainer.max_steps={STEPS}", *FAST, *extra,
     ]  # fmt: skip
-
-
-def _dcp_state_dict(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(checkpoint, tmp_path / "full.pt")
-    return torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]
 
 
 def _single_process_weights(
@@ -108,7 +98,7 @@ def test_pipeline_weights_match_single_process_fit(
 ) -> None:
     single = _single_process_weights("gpt2_debug_shakespeare_cpu", shakespeare_gpt2, tmp_path, 8)
     last = pipeline_run / "gpt2_debug_pipeline_cpu" / "checkpoints" / "last.ckpt"
-    piped = _dcp_state_dict(last, tmp_path)
+    piped = dcp_state_dict(last, tmp_path)
     # Every weight is saved under its full-model name; the last stage's copy of the tied
     # head is `output.weight`, equal to the first stage's embedding.
     assert set(piped) == set(single)
@@ -130,7 +120,7 @@ def test_four_d_recipe_matches_single_process(shakespeare_llama3: Path, tmp_path
         cwd=REPO,
     )
     last = save_dir / "llama3_debug_4d_cpu" / "checkpoints" / "last.ckpt"
-    four_d = _dcp_state_dict(last, tmp_path)
+    four_d = dcp_state_dict(last, tmp_path)
     single = torch.load(
         single_dir / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,
