@@ -233,6 +233,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
             ``interleaved`` when ``virtual_pipeline_parallel > 1``.
         microbatches: Micro-batches per batch with pp > 1 (must divide the per-rank batch
             size); default ``pipeline_parallel``.
+        layers_per_stage: Transformer blocks of each virtual stage, in stage order (pp x
+            vpp counts summing to the model's layers); default: equal. Give the last
+            stage, which also runs the head and the loss, fewer to balance the pipeline.
         expert_parallel: Expert-parallel degree; only 1 yet.
         zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
             3 also parameters (torch FSDP2; not with pp > 1).
@@ -254,6 +257,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         virtual_pipeline_parallel: int = 1,
         schedule: str | None = None,
         microbatches: int | None = None,
+        layers_per_stage: list[int] | None = None,
         expert_parallel: int = 1,
         zero_stage: int = 0,
         bucket_size_mb: float = 25.0,
@@ -287,6 +291,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
         )
         self.schedule = schedule or ("interleaved" if virtual_pipeline_parallel > 1 else "1f1b")
         self.microbatches = pipeline_parallel if microbatches is None else microbatches
+        self.layers_per_stage = None if layers_per_stage is None else list(layers_per_stage)
         if pipeline_parallel > 1:
             validate_schedule(
                 pipeline_parallel, virtual_pipeline_parallel, self.microbatches, self.schedule
@@ -405,7 +410,12 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 " (TransformerConfig), a `model` built from it in configure_model and a"
                 f" `loss_fn(logits, targets)`, like CausalLM; {type(module).__name__} lacks them."
             )
-        check_layers(config.n_layer, dims.pipeline_parallel, dims.virtual_pipeline_parallel)
+        check_layers(
+            config.n_layer,
+            dims.pipeline_parallel,
+            dims.virtual_pipeline_parallel,
+            self.layers_per_stage,
+        )
         batch_size = getattr(datamodule, "batch_size", None)
         if isinstance(batch_size, int) and batch_size % self.microbatches:
             raise ValueError(
@@ -457,7 +467,11 @@ class HybridParallelStrategy(ModelParallelStrategy):
         dims = self.dims
         pp_rank = self.device_mesh["pp"].get_local_rank()
         return split_model(
-            module.model, pp_rank, dims.pipeline_parallel, dims.virtual_pipeline_parallel
+            module.model,
+            pp_rank,
+            dims.pipeline_parallel,
+            dims.virtual_pipeline_parallel,
+            self.layers_per_stage,
         )
 
     def _setup_pipeline(self, module: pl.LightningModule, chunks: list[StageChunk]) -> None:

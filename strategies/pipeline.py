@@ -20,7 +20,7 @@ are freed as soon as their backward has run.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -34,22 +34,46 @@ from plugintrain.strategies.pipeline_schedules import Action, Schedule, build_sc
 ContextFactory = Callable[[], AbstractContextManager]
 
 
-def check_layers(n_layer: int, pp: int, vpp: int) -> None:
-    """Raise a ``ValueError`` naming the fix unless ``n_layer`` splits into ``pp * vpp`` chunks."""
+def check_layers(
+    n_layer: int, pp: int, vpp: int, layers_per_stage: Sequence[int] | None = None
+) -> None:
+    """Raise a ``ValueError`` naming the fix unless ``n_layer`` splits into ``pp * vpp`` chunks.
+
+    Args:
+        n_layer: Transformer blocks of the model.
+        pp: Pipeline ranks.
+        vpp: Chunks per rank.
+        layers_per_stage: Blocks of each virtual stage, in stage order; None: equal.
+    """
     stages = pp * vpp
+    if layers_per_stage is not None:
+        counts = list(layers_per_stage)
+        if len(counts) != stages or sum(counts) != n_layer or min(counts) < 0:
+            raise ValueError(
+                f"layers_per_stage={counts} must list {stages} (pipeline_parallel={pp} x"
+                f" virtual_pipeline_parallel={vpp}) non-negative layer counts summing to"
+                f" n_layer={n_layer}."
+            )
+        return
     if n_layer % stages:
         divisors = [d for d in range(1, n_layer + 1) if n_layer % d == 0]
         raise ValueError(
             f"n_layer={n_layer} is not divisible by pipeline_parallel={pp} x"
             f" virtual_pipeline_parallel={vpp} = {stages} stages; pick pp x vpp among"
-            f" {divisors} or change the number of layers."
+            f" {divisors}, or give layers_per_stage (e.g. fewer layers on the last stage,"
+            " which also runs the head and the loss)."
         )
 
 
-def stage_layer_keys(n_layer: int, num_stages: int) -> list[list[str]]:
-    """The ``layers`` keys of each virtual stage: equal, contiguous runs of layers."""
-    per = n_layer // num_stages
-    return [[str(i) for i in range(s * per, (s + 1) * per)] for s in range(num_stages)]
+def stage_layer_keys(
+    n_layer: int, num_stages: int, layers_per_stage: Sequence[int] | None = None
+) -> list[list[str]]:
+    """The ``layers`` keys of each virtual stage: contiguous runs, equal unless given."""
+    counts = list(layers_per_stage or [n_layer // num_stages] * num_stages)
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    return [
+        [str(i) for i in range(start, start + n)] for start, n in zip(starts, counts, strict=True)
+    ]
 
 
 @dataclass
@@ -81,7 +105,13 @@ class StageChunk:
         return h
 
 
-def split_model(model: Transformer, rank: int, pp: int, vpp: int = 1) -> list[StageChunk]:
+def split_model(
+    model: Transformer,
+    rank: int,
+    pp: int,
+    vpp: int = 1,
+    layers_per_stage: Sequence[int] | None = None,
+) -> list[StageChunk]:
     """Keep only pipeline rank ``rank``'s ``vpp`` chunks of ``model`` (in place).
 
     Chunk ``c`` is virtual stage ``c * pp + rank``. The first stage keeps the embeddings,
@@ -89,13 +119,21 @@ def split_model(model: Transformer, rank: int, pp: int, vpp: int = 1) -> list[St
     ``Parameter`` on the last stage; the strategy keeps the two copies equal by summing
     their gradients across the first and last stage.
 
+    Args:
+        model: The full model, the same (seeded) on every rank.
+        rank: This pipeline rank.
+        pp: Pipeline ranks.
+        vpp: Chunks per rank.
+        layers_per_stage: Blocks of each virtual stage (e.g. ``[5, 3]`` to give the
+            last stage, which also runs the head, fewer); None: equal runs.
+
     Returns:
         The rank's chunks, in chunk order.
     """
     n_layer = model.config.n_layer
-    check_layers(n_layer, pp, vpp)
+    check_layers(n_layer, pp, vpp, layers_per_stage)
     num_stages = pp * vpp
-    keys = stage_layer_keys(n_layer, num_stages)
+    keys = stage_layer_keys(n_layer, num_stages, layers_per_stage)
     stages = [c * pp + rank for c in range(vpp)]
     owned = {key for s in stages for key in keys[s]}
     for key in [k for k in model.layers if k not in owned]:

@@ -35,6 +35,8 @@ class PipelineStrategy(HybridParallelStrategy):
         microbatches: Micro-batches each batch is cut into; must divide the per-rank batch
             size (and be a multiple of ``pipeline_parallel`` for ``interleaved``); default
             ``pipeline_parallel``.
+        layers_per_stage: Transformer blocks of each virtual stage, in stage order;
+            default: equal. E.g. ``[5, 3]``: the last stage also runs the head and the loss.
         data_parallel: Replicas; ``"auto"``: world size / pipeline_parallel.
         zero_stage: 0 (bucketed all-reduce), 1 or 2 (ZeRO over the data-parallel ranks).
         wire_dtype: Dtype of the activations and gradients sent between stages.
@@ -51,6 +53,7 @@ class PipelineStrategy(HybridParallelStrategy):
         virtual_pipeline_parallel: int = 1,
         schedule: str | None = None,
         microbatches: int | None = None,
+        layers_per_stage: list[int] | None = None,
         data_parallel: int | Literal["auto"] = "auto",
         zero_stage: int = 0,
         wire_dtype: torch.dtype | str = torch.float32,
@@ -64,6 +67,7 @@ class PipelineStrategy(HybridParallelStrategy):
             virtual_pipeline_parallel=virtual_pipeline_parallel,
             schedule=schedule,
             microbatches=microbatches,
+            layers_per_stage=layers_per_stage,
             zero_stage=zero_stage,
             wire_dtype=wire_dtype,
             bucket_size_mb=bucket_size_mb,

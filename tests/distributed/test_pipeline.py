@@ -58,6 +58,7 @@ class Case:
     preset: str = "gpt2-debug"
     zero_stage: int = 0
     accumulate: int = 1
+    layers: tuple[int, ...] | None = None
 
     @property
     def world(self) -> int:
@@ -66,6 +67,7 @@ class Case:
     def __str__(self) -> str:
         layout = f"dp{self.dp}-tp{self.tp}-pp{self.pp}-vpp{self.vpp}"
         accumulate = f"-acc{self.accumulate}" if self.accumulate > 1 else ""
+        accumulate += f"-layers{'-'.join(map(str, self.layers))}" if self.layers else ""
         return (
             f"{self.preset}-{layout}-{self.schedule}-m{self.microbatches}{accumulate}"
             f"-{self.precision}"
@@ -83,6 +85,8 @@ def _cases() -> list[Case]:
         )
     # Data parallelism beside the pipeline with ZeRO-2.
     cases.append(Case("interleaved", 2, vpp=2, dp=2, zero_stage=2, microbatches=2))
+    # Uneven stages: the last also runs the head, so it gets fewer layers.
+    cases.append(Case("1f1b", 2, layers=(5, 3)))
     # Lightning's gradient accumulation around the schedule's own micro-batches.
     cases.append(Case("1f1b", 2, microbatches=2, accumulate=2))
     # FP16 loss scaling on the last stage; overflowing steps skipped on every stage.
@@ -197,6 +201,7 @@ def _strategy(case: Case) -> Any:
             virtual_pipeline_parallel=case.vpp,
             schedule=case.schedule,
             microbatches=case.microbatches,
+            layers_per_stage=list(case.layers) if case.layers else None,
             zero_stage=case.zero_stage,
         )
     return HybridParallelStrategy(

@@ -58,3 +58,21 @@ def test_layers_not_divisible_by_stages_are_refused_with_the_choices() -> None:
         check_layers(4, 3, 1)
     with pytest.raises(ValueError, match=r"virtual_pipeline_parallel=2 = 8 stages"):
         split_model(_model("llama3-debug"), rank=0, pp=4, vpp=2)
+
+
+def test_uneven_split_gives_the_last_stage_fewer_layers() -> None:
+    full = _model("llama3-debug")
+    x = torch.randint(0, 64, (2, 8))
+    expected = full(x)
+    first = split_model(_model("llama3-debug"), 0, 2, layers_per_stage=[3, 1])
+    last = split_model(_model("llama3-debug"), 1, 2, layers_per_stage=[3, 1])
+    assert list(first[0].model.layers) == ["0", "1", "2"] and list(last[0].model.layers) == ["3"]
+    torch.testing.assert_close(last[0](first[0](x, 8), 8), expected, rtol=0, atol=0)
+    # With layers_per_stage, any number of layers per stage is fine, including 3 stages.
+    assert stage_layer_keys(4, 3, [2, 2, 0]) == [["0", "1"], ["2", "3"], []]
+
+
+@pytest.mark.parametrize("counts", [[2, 1], [4, 0, 0], [5, -1]])
+def test_bad_layers_per_stage_are_refused(counts: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"layers_per_stage=.* summing to n_layer=4"):
+        check_layers(4, 2, 1, counts)
