@@ -19,8 +19,10 @@ from plugintrain.strategies.grad_engine import (
 )
 from plugintrain.strategies.hybrid import (
     HybridParallelStrategy,
+    build_engine,
     hybrid_gradient_layout,
     parallelize,
+    shard_model,
 )
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline import PipelineExecutor, split_model
