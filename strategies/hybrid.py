@@ -311,8 +311,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self._tied: list[Tensor] = []
         self._tied_group: dist.ProcessGroup | None = None
         self._accumulating = False
-        # Saved optimizer-state name -> this model's name (a tied head's other name).
-        self._aliases: dict[str, str] = {}
 
     @property
     def pipelined(self) -> bool:
@@ -618,7 +616,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
             loaded = state[f"optimizer_{i}"]
             optimizer = unwrap_optimizer(optimizer)
             if "state" in loaded:
-                self._engine.load_optimizer_state_dict(optimizer, self._unalias(loaded))
+                self._engine.load_optimizer_state_dict(optimizer, self._unalias(optimizer, loaded))
             else:
                 buffer = loaded[self._shard_key()]
                 buffer.seek(0)
@@ -641,7 +639,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
                 )
             return {self._shard_key(): io.BytesIO()}
         assert self._engine is not None
-        self._aliases = {}
         state: dict[str, dict[str, Tensor]] = {}
         for name in self._engine.parameter_names(optimizer):
             for candidate in (name, *_tied_aliases(name)):
@@ -651,14 +648,19 @@ class HybridParallelStrategy(ModelParallelStrategy):
                         key: torch.empty(meta.size, dtype=meta.properties.dtype)
                         for key, meta in keys.items()
                     }
-                    if candidate != name:
-                        self._aliases[candidate] = name
                     break
         # DCP stores each group's hyperparameters as one entry per key; None is a slot.
         return {"state": state, "param_groups": groups}
 
-    def _unalias(self, loaded: dict[str, Any]) -> dict[str, Any]:
-        state = {self._aliases.get(name, name): values for name, values in loaded["state"].items()}
+    def _unalias(self, optimizer: Optimizer, loaded: dict[str, Any]) -> dict[str, Any]:
+        """Key the loaded state by this optimizer's names (a tied head saved as the other)."""
+        assert self._engine is not None
+        names = set(self._engine.parameter_names(optimizer))
+
+        def own(name: str) -> str:
+            return name if name in names else next(a for a in _tied_aliases(name) if a in names)
+
+        state = {own(name): values for name, values in loaded["state"].items()}
         return {"state": state, "param_groups": loaded["param_groups"]}
 
     @override

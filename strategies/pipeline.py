@@ -196,7 +196,6 @@ class PipelineExecutor:
             raise ValueError(f"Rank {rank} got {len(chunks)} chunks for vpp={vpp}.")
         self.chunks = chunks
         self.pp, self.vpp, self.rank = pp, vpp, rank
-        self.microbatches = microbatches
         self.train_schedule = build_schedule(schedule, pp, vpp, microbatches)
         self.group = group
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
@@ -206,18 +205,12 @@ class PipelineExecutor:
         self.wire_dtype = wire_dtype
         self.forward_context = forward_context
         self.backward_context = backward_context
-        self.num_stages = pp * vpp
         # Per step; kept as attributes so tests and benchmarks can read them.
         self.peak_stashed = 0
         self.wait_seconds = 0.0
         self.step_seconds = 0.0
         self._sends: list[tuple[dist.Work, Tensor]] = []
         self._step_microbatches = microbatches
-
-    @property
-    def is_last_rank(self) -> bool:
-        """Whether this rank runs the last virtual stage (and computes the loss)."""
-        return self.rank == self.pp - 1
 
     @property
     def last_rank_global(self) -> int:

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from plugintrain.model_zoo import CausalLM
 
 
@@ -54,7 +56,6 @@ def load_causal_lm(path: str | Path) -> CausalLM:
     """
     import torch
     from lightning.fabric.utilities.load import _METADATA_FILENAME
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from plugintrain.model_zoo import CausalLM
 
@@ -72,13 +73,20 @@ def load_causal_lm(path: str | Path) -> CausalLM:
     hparams = {k: v for k, v in meta["hyper_parameters"].items() if k in accepted}
     module = CausalLM(**hparams)
     module.configure_model()
+    module.load_state_dict(dcp_state_dict(path))
+    return module
+
+
+def dcp_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """The model weights of a DCP checkpoint directory, merged on the CPU by full name."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     with tempfile.TemporaryDirectory() as tmp:
         merged = Path(tmp) / "merged.pt"
         dcp_to_torch_save(path, merged)
         # Our own file, which also holds ZeRO optimizer shards as pickled byte streams.
-        state = torch.load(merged, weights_only=False)["state_dict"]
-    module.load_state_dict(state)
-    return module
+        return torch.load(merged, weights_only=False)["state_dict"]
 
 
 def main(argv: Sequence[str]) -> int:

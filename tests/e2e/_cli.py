@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
@@ -39,12 +38,3 @@ def logged_losses(log_dir: Path, tag: str = "train_loss") -> dict[int, float]:
     events = EventAccumulator(str(log_dir))
     events.Reload()
     return {e.step: e.value for e in events.Scalars(tag)}
-
-
-def dcp_state_dict(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    """The model state dict of a DCP checkpoint directory (hybrid, pipeline strategies)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    dcp_to_torch_save(checkpoint, tmp_path / "merged.pt")
-    # Our own file; it also holds ZeRO optimizer shards as pickled byte streams.
-    return torch.load(tmp_path / "merged.pt", weights_only=False)["state_dict"]

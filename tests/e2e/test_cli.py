@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.precision_plugins import BF16MixedPrecision, FP16MixedPrecision, FP32Precision
 
-from _cli import RECIPES, REPO, run_cli
+from _cli import RECIPES, REPO, logged_losses, run_cli
 
 ALL_RECIPES = sorted(RECIPES.glob("*.yaml"))
 # Tiny overrides that keep every CPU fit to seconds while running the recipe's real path.
@@ -31,12 +30,6 @@ FAST = (
     "--checkpoint.every_n_train_steps=2",
     "--throughput.window_size=2",
 )
-
-
-def _scalars(log_dir: Path, tag: str) -> dict[int, float]:
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return {e.step: e.value for e in events.Scalars(tag)}
 
 
 def test_recipes_cover_the_issue() -> None:
@@ -141,11 +134,11 @@ def gpt2_run(shakespeare_gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 def test_fit_writes_logs_config_and_checkpoints(gpt2_run: Path) -> None:
     assert (gpt2_run / "config.yaml").is_file()
-    losses = _scalars(gpt2_run, "train_loss")
+    losses = logged_losses(gpt2_run, "train_loss")
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
-    assert _scalars(gpt2_run, "val_loss")
-    assert _scalars(gpt2_run, "train/device/items_per_sec")  # tokens/s (throughput monitor)
-    assert _scalars(gpt2_run, "lr-AdamW/pg1")
+    assert logged_losses(gpt2_run, "val_loss")
+    assert logged_losses(gpt2_run, "train/device/items_per_sec")  # tokens/s (throughput monitor)
+    assert logged_losses(gpt2_run, "lr-AdamW/pg1")
     ckpt = torch.load(gpt2_run.parent / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 4
 
@@ -171,9 +164,9 @@ def test_resume_from_last_equals_an_uninterrupted_run(
     resumed = run_dir / "version_1"
     uninterrupted = _fit_gpt2(shakespeare_gpt2, tmp_path / "uninterrupted", 6)
     # Same weights, optimizer state, LR schedule and data position: the same losses.
-    after_resume = _scalars(resumed, "train_loss")
+    after_resume = logged_losses(resumed, "train_loss")
     assert sorted(after_resume) == [4, 5]
-    expected = _scalars(uninterrupted, "train_loss")
+    expected = logged_losses(uninterrupted, "train_loss")
     assert after_resume == pytest.approx({s: expected[s] for s in (4, 5)}, rel=1e-6)
     ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 6
@@ -199,7 +192,7 @@ def test_llama3_recipe_fits(shakespeare_llama3: Path, tmp_path: Path) -> None:
         "--trainer.max_steps=2", *FAST,
         cwd=REPO,
     )  # fmt: skip
-    losses = _scalars(tmp_path / "llama3_debug_shakespeare_cpu" / "version_0", "train_loss")
+    losses = logged_losses(tmp_path / "llama3_debug_shakespeare_cpu" / "version_0", "train_loss")
     assert len(losses) == 2
 
 
@@ -213,7 +206,7 @@ def test_ddp_two_processes_from_the_same_recipe(shakespeare_gpt2: Path, tmp_path
         cwd=REPO,
     )  # fmt: skip
     run = tmp_path / "gpt2_debug_shakespeare_cpu" / "version_0"
-    assert len(_scalars(run, "train_loss")) == 2
+    assert len(logged_losses(run, "train_loss")) == 2
     ckpt = torch.load(run.parent / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 2
     # Each of the 2 ranks took its own half of the data: the saved position counts
@@ -229,7 +222,7 @@ def test_mnist_recipe_fits(mnist_dir: Path, tmp_path: Path) -> None:
         "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
         cwd=REPO,
     )  # fmt: skip
-    val_acc = _scalars(tmp_path / "mnist" / "version_0", "val_acc")
+    val_acc = logged_losses(tmp_path / "mnist" / "version_0", "val_acc")
     assert max(val_acc.values()) > 0.8  # real digits, one epoch of a small MLP
 
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _cli import RECIPES, REPO, dcp_state_dict, logged_losses, run_cli
+from plugintrain.tools.generate import dcp_state_dict
+
+from _cli import RECIPES, REPO, logged_losses, run_cli
 
 RECIPE = RECIPES / "llama3_debug_hybrid_cpu.yaml"
 NAME = "llama3_debug_hybrid_cpu"
@@ -102,7 +104,7 @@ def test_weights_match_single_process_fit(
         tmp_path / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,
     )["state_dict"]
-    hybrid = dcp_state_dict(single_node / NAME / "checkpoints" / "last.ckpt", tmp_path)
+    hybrid = dcp_state_dict(single_node / NAME / "checkpoints" / "last.ckpt")
     assert set(hybrid) <= set(single)
     for name, weight in hybrid.items():
         torch.testing.assert_close(weight, single[name], rtol=1e-4, atol=1e-5, msg=name)

@@ -18,8 +18,9 @@ import torch
 
 from plugintrain.cli import PluginTrainCLI
 from plugintrain.data import get_tokenizer
+from plugintrain.tools.generate import dcp_state_dict
 
-from _cli import RECIPES, REPO, dcp_state_dict, logged_losses, run_cli
+from _cli import RECIPES, REPO, logged_losses, run_cli
 
 PIPELINE = RECIPES / "gpt2_debug_pipeline_cpu.yaml"
 FOUR_D = RECIPES / "llama3_debug_4d_cpu.yaml"
@@ -98,7 +99,7 @@ def test_pipeline_weights_match_single_process_fit(
 ) -> None:
     single = _single_process_weights("gpt2_debug_shakespeare_cpu", shakespeare_gpt2, tmp_path, 8)
     last = pipeline_run / "gpt2_debug_pipeline_cpu" / "checkpoints" / "last.ckpt"
-    piped = dcp_state_dict(last, tmp_path)
+    piped = dcp_state_dict(last)
     # Every weight is saved under its full-model name; the last stage's copy of the tied
     # head is `output.weight`, equal to the first stage's embedding.
     assert set(piped) == set(single)
@@ -120,7 +121,7 @@ def test_four_d_recipe_matches_single_process(shakespeare_llama3: Path, tmp_path
         cwd=REPO,
     )
     last = save_dir / "llama3_debug_4d_cpu" / "checkpoints" / "last.ckpt"
-    four_d = dcp_state_dict(last, tmp_path)
+    four_d = dcp_state_dict(last)
     single = torch.load(
         single_dir / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,
