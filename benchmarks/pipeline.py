@@ -94,7 +94,7 @@ from torch.distributed.pipelining import (
 )
 
 from plugintrain.model_zoo import Transformer, TransformerConfig
-from plugintrain.strategies.pipeline import PipelineExecutor, StageChunk, split_model
+from plugintrain.strategies.pipeline import PipelineExecutor, VirtualStage, split_model
 from plugintrain.strategies.pipeline_schedules import build_schedule, simulate
 
 VOCAB = 8192
@@ -115,7 +115,7 @@ def _config(args: argparse.Namespace) -> TransformerConfig:
 
 def _build(
     config: TransformerConfig, rank: int, pp: int, vpp: int, layers: list[int] | None = None
-) -> list[StageChunk]:
+) -> list[VirtualStage]:
     torch.manual_seed(0)
     return split_model(Transformer(config), rank, pp, vpp, layers if vpp == 1 else None)
 
@@ -127,7 +127,7 @@ class _StageModule(nn.Module):
     scale by ``1 / microbatches``) holds no other chunk's weights.
     """
 
-    def __init__(self, chunk: StageChunk, seq_len: int) -> None:
+    def __init__(self, chunk: VirtualStage, seq_len: int) -> None:
         super().__init__()
         model = chunk.model
         self.chunk = chunk  # a dataclass, not a module: stored as a plain attribute
@@ -207,7 +207,7 @@ class _Pair:
         )
         self.modules = [_StageModule(c, args.seq_len) for c in self.torch_chunks]
         device = torch.device("cpu")
-        stages = [PipelineStage(mod, c.stage, pp * vpp, device) for mod, c in zip(
+        stages = [PipelineStage(mod, c.index, pp * vpp, device) for mod, c in zip(
             self.modules, self.torch_chunks, strict=True
         )]  # fmt: skip
         if vpp == 1:

@@ -1,12 +1,15 @@
 """The decoder-only transformer shared by every family (GPT-2, Llama 3, ...).
 
 Attribute names are an interface: tensor-parallel plans key on module paths such as
-``layers.0.attention.wq``, and pipeline splitting deletes entries of the ``layers``
-``ModuleDict`` (keeping the others' names) and sets ``tok_embeddings``, ``norm`` or ``output``
-to None on the stages that do not own them (torchtitan's layout).
+``layers.0.attention.wq``, and :meth:`Transformer.keep_stage` deletes entries of the
+``layers`` ``ModuleDict`` (keeping the others' names) and sets ``tok_embeddings``, ``norm`` or
+``output`` to None on the pipeline stages that do not own them (torchtitan's layout).
+``embed`` / ``run_layers`` / ``head`` are the pieces a stage runs: the model implements
+:class:`plugintrain.distributed.StagedModel`, and strategies need nothing else of it.
 """
 
 import math
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
@@ -127,18 +130,68 @@ class Transformer(nn.Module):
             if input_pos is not None
             else torch.arange(tokens.size(1), device=tokens.device)
         )
-        h = self._embed(tokens, pos) if self.tok_embeddings is not None else tokens  # (B, T, C)
-        rope = (self.rope_cos[pos], self.rope_sin[pos]) if self.rope_cos is not None else None
-        for layer in self.layers.values():
-            h = layer(h, rope, input_pos)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h  # (B, T, V)
+        h = self.embed(tokens, pos) if self.tok_embeddings is not None else tokens  # (B, T, C)
+        h = self.run_layers(h, self.layers.keys(), pos, input_pos)
+        return self.head(h) if self.output is not None else h  # (B, T, V)
 
-    def _embed(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    # ---- the pieces a pipeline stage runs (plugintrain.distributed.StagedModel) -----------
+
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(B, T)`` at ``positions`` ``(T,)`` -> hidden states ``(B, T, C)``."""
         h = self.tok_embeddings(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(pos)  # (T, C) broadcast over the batch
+            h = h + self.pos_embeddings(positions)  # (T, C) broadcast over the batch
         return self.dropout(h)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        keys: Iterable[str],
+        positions: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states through ``layers[key]`` for each of ``keys``, in order.
+
+        Args:
+            h: Hidden states ``(B, T, C)``, or sequence shards of them under SP.
+            keys: Block keys (full-model indices as strings).
+            positions: Positions of the whole sequence ``(T,)`` (for RoPE).
+            input_pos: As in :meth:`forward`, for the KV cache.
+        """
+        rope = (
+            (self.rope_cos[positions], self.rope_sin[positions])
+            if self.rope_cos is not None
+            else None
+        )
+        for key in keys:
+            h = self.layers[key](h, rope, input_pos)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: hidden states -> logits ``(B, T, V)``."""
+        return self.output(self.norm(h))
+
+    def keep_stage(self, layer_keys: Collection[str], first: bool, last: bool) -> None:
+        """Keep only one pipeline rank's modules, in place, under their full-model names.
+
+        Args:
+            layer_keys: The blocks to keep.
+            first: Whether this rank runs the first stage (keeps the embeddings).
+            last: Whether it runs the last stage (keeps the final norm and the head; a head
+                tied to the embedding stays that same ``Parameter``).
+        """
+        for key in [k for k in self.layers if k not in layer_keys]:
+            del self.layers[key]
+        if not first:
+            self.tok_embeddings = None
+            self.pos_embeddings = None
+        if not last:
+            self.norm = None
+            self.output = None
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        """``[("tok_embeddings.weight", "output.weight")]`` when the head is tied, else none."""
+        return [("tok_embeddings.weight", "output.weight")] if self.config.tie_embeddings else []
 
     def setup_kv_cache(
         self,

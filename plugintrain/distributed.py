@@ -1,21 +1,28 @@
 """Small protocols shared by strategies, precision plugins and models.
 
-Strategies know how a model is laid out across ranks; precision plugins need that
-knowledge to agree on found-inf and to clip by the global gradient norm. Neither imports
-the other: a strategy exposes a :class:`GradientLayout` through the
-:class:`GradientLayoutProvider` protocol, and a plugin asks for one.
+Two seams, so no package imports another's internals:
+
+- Strategies know how a model is laid out across ranks; precision plugins need that
+  knowledge to agree on found-inf and to clip by the global gradient norm. A strategy
+  exposes a :class:`GradientLayout` through the :class:`GradientLayoutProvider` protocol,
+  and a plugin asks for one.
+- Model-parallel strategies need a few things from a LightningModule: its sizes, the
+  module to shard, its tensor-parallel plan, its loss and a way to log a loss they
+  computed. :class:`ParallelModule` declares them (and :class:`StagedModel` what the
+  pipeline needs of the model itself); :func:`check_contract` names what a module lacks.
+  A model family that implements these runs under every plugintrain strategy.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
@@ -81,6 +88,109 @@ class GradientLayoutProvider(Protocol):
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
         """The layout of the gradients of ``parameters`` (those an optimizer steps)."""
         ...
+
+
+@runtime_checkable
+class ModelShape(Protocol):
+    """The sizes a parallel layout is checked against (``TransformerConfig`` has them)."""
+
+    name: str
+    n_layer: int
+    """Transformer blocks (split over pipeline stages)."""
+    n_embd: int
+    """Width of the hidden states sent between pipeline stages."""
+    n_head: int
+    kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    """Each of ``n_head``, ``kv_heads``, ``ffn_dim`` and ``vocab_size`` is split by tp."""
+
+
+@runtime_checkable
+class StagedModel(Protocol):
+    """A model that a pipeline cuts into stages: an embedding, a ``ModuleDict`` of blocks
+    (keyed by their full-model index) and a head. ``Transformer`` is one."""
+
+    layers: nn.ModuleDict
+
+    def embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Token ids ``(B, T)`` at ``positions`` ``(T,)`` -> hidden states ``(B, T, C)``."""
+        ...
+
+    def run_layers(self, h: Tensor, keys: Iterable[str], positions: Tensor) -> Tensor:
+        """Hidden states through the blocks ``layers[key]`` for ``key`` in ``keys``, in order.
+
+        ``positions`` are those of the full sequence (hidden states may be sequence shards).
+        """
+        ...
+
+    def head(self, h: Tensor) -> Tensor:
+        """Hidden states -> logits ``(B, T, V)`` (final norm and output projection)."""
+        ...
+
+    def keep_stage(self, layer_keys: Collection[str], first: bool, last: bool) -> None:
+        """Drop, in place, every block not in ``layer_keys``, the embedding unless ``first``
+        and the head unless ``last``; what stays keeps its full-model name."""
+        ...
+
+    def tied_parameters(self) -> list[tuple[str, str]]:
+        """Pairs of parameter names (relative to the model) that are one parameter, such as
+        an embedding tied to the head; a pipeline holds the two on different stages."""
+        ...
+
+
+@runtime_checkable
+class ParallelModule(Protocol):
+    """What plugintrain's model-parallel strategies read from a LightningModule.
+
+    ``hybrid`` with ``tensor_parallel > 1`` or ``pipeline_parallel > 1`` (and ``pipeline``)
+    require it; ``model`` must also be a :class:`StagedModel` for pipelines. Data
+    parallelism alone needs none of it.
+    """
+
+    config: ModelShape
+    """The sizes the layout is validated against, before any process starts."""
+    model: nn.Module | None
+    """The module to shard, built in ``configure_model``; plan paths start with ``model.``."""
+
+    def tp_plan(self) -> dict[str, str]:
+        """Module path pattern (relative to the LightningModule) -> tensor-parallel style name
+        (see :func:`plugintrain.strategies.tensor_parallel.style`)."""
+        ...
+
+    def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean loss of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)``; under tp the
+        strategy wraps it into a vocabulary-parallel loss."""
+        ...
+
+    def record_loss(self, stage: str, loss: Tensor, batch: Any) -> None:
+        """Log ``loss`` of ``batch`` for ``stage`` (``train``/``val``/``test``) as the module's
+        own steps do; a pipeline computes the loss itself and hands it here."""
+        ...
+
+
+def contract_members(protocol: type) -> list[str]:
+    """The attributes and methods that ``protocol`` declares, in declaration order."""
+    names = list(getattr(protocol, "__annotations__", {}))
+    names += [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    return names
+
+
+def check_contract(obj: Any, protocol: type, needed_by: str) -> None:
+    """Raise a ``TypeError`` naming every member of ``protocol`` that ``obj`` lacks.
+
+    Args:
+        obj: The module to check.
+        protocol: :class:`ParallelModule` or :class:`StagedModel`.
+        needed_by: Who needs it, e.g. ``"HybridParallelStrategy(tensor_parallel=2)"``.
+    """
+    missing = [name for name in contract_members(protocol) if not hasattr(obj, name)]
+    if missing:
+        raise TypeError(
+            f"{needed_by} needs {type(obj).__name__} to implement"
+            f" plugintrain.distributed.{protocol.__name__}; it lacks {', '.join(missing)}."
+            f" Implement them (CausalLM and Transformer are complete examples)."
+        )
 
 
 def _world_group() -> dist.ProcessGroup | None:

@@ -17,15 +17,20 @@ from plugintrain.strategies.grad_engine import (
     optimizer_state_bytes,
     register_elementwise_optimizer,
 )
-from plugintrain.strategies.hybrid import (
-    HybridParallelStrategy,
+from plugintrain.strategies.hybrid import HybridParallelStrategy
+from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.parallelize import (
     build_engine,
     hybrid_gradient_layout,
     parallelize,
     shard_model,
 )
-from plugintrain.strategies.mesh import ParallelDims
-from plugintrain.strategies.pipeline import PipelineExecutor, split_model
+from plugintrain.strategies.pipeline import (
+    PipelineExecutor,
+    PipelineOptions,
+    VirtualStage,
+    split_model,
+)
 from plugintrain.strategies.pipeline_schedules import (
     SCHEDULES,
     Schedule,
@@ -54,9 +59,11 @@ __all__ = [
     "ParallelDims",
     "ParameterServerStrategy",
     "PipelineExecutor",
+    "PipelineOptions",
     "PipelineStrategy",
     "Schedule",
     "Stage",
+    "VirtualStage",
     "ZeroStrategy",
     "apply_tensor_parallel",
     "build_engine",

@@ -138,8 +138,8 @@ def optimizer_state_bytes(optimizer: Optimizer) -> int:
 
 
 @dataclass(eq=False)
-class _Slot:
-    """One parameter's place in its bucket."""
+class _BucketEntry:
+    """One parameter's place in its bucket (and the optimizer's shard of it, if owned)."""
 
     name: str
     param: Tensor
@@ -162,11 +162,12 @@ class _Bucket:
 
     params: Tensor
     owned: tuple[int, int]
-    slots: list[_Slot] = field(default_factory=list)
+    entries: list[_BucketEntry] = field(default_factory=list)
     grads: Tensor | None = None
     shard_grads: Tensor | None = None
     stale: bool = False
-    ready: int = 0
+    grads_arrived: int = 0
+    """How many of the bucket's parameters got their gradient in this backward pass."""
     work: dist.Work | None = None
 
     def grad_buffer(self) -> Tensor:
@@ -180,6 +181,32 @@ class _Bucket:
             self.grads.zero_()
         self.stale = False
         return self.grads
+
+
+def _is_elementwise(value: Any, numel: int) -> bool:
+    """Whether optimizer state ``value`` has one element per parameter element (``exp_avg``),
+    as opposed to a scalar such as ``step``: only the former is sliced between ranks."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
+
+
+@dataclass
+class _StateMeta:
+    """One parameter's optimizer state, described: scalars by value, elementwise tensors
+    by ``(key, dtype)`` (their values stay sharded until gathered)."""
+
+    scalars: dict[str, Any] = field(default_factory=dict)
+    sharded: set[tuple[str, torch.dtype]] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, values: dict[str, Any], numel: int) -> _StateMeta:
+        """Describe ``values``, the state of a shard of ``numel`` elements."""
+        meta = cls()
+        for key, value in values.items():
+            if _is_elementwise(value, numel):
+                meta.sharded.add((key, value.dtype))
+            else:
+                meta.scalars[key] = value
+        return meta
 
 
 class _AllReduce:
@@ -283,6 +310,145 @@ _SCHEMES: dict[Stage, type[_AllReduce]] = {
 }
 
 
+def _pack_bucket(named: list[tuple[str, Tensor]], scheme: _AllReduce) -> _Bucket:
+    """Move the parameters' data into one flat buffer (the ``Parameter`` objects stay, their
+    ``.data`` becomes a view) and make this rank's shard parameters of the owned range."""
+    numel = sum(_local(param).numel() for _, param in named)
+    first = named[0][1]
+    flat = torch.zeros(
+        padded_numel(numel, scheme.world_size), dtype=first.dtype, device=first.device
+    )
+    bucket = _Bucket(params=flat, owned=scheme.owned(flat.numel()))
+    offset = 0
+    for name, param in named:
+        local = _local(param)
+        view = flat[offset : offset + local.numel()]
+        view.copy_(local.detach().reshape(-1))
+        local.data = view.view_as(local)
+        bucket.entries.append(_make_entry(name, param, bucket, offset))
+        offset += local.numel()
+    if scheme.frees_grads and bucket.owned[1] > bucket.owned[0]:
+        bucket.shard_grads = torch.zeros(
+            bucket.owned[1] - bucket.owned[0], dtype=flat.dtype, device=flat.device
+        )
+    return bucket
+
+
+def _make_entry(name: str, param: Tensor, bucket: _Bucket, offset: int) -> _BucketEntry:
+    numel = _local(param).numel()
+    entry = _BucketEntry(name, param, bucket, offset, numel)
+    lo = max(offset, bucket.owned[0])
+    hi = min(offset + numel, bucket.owned[1])
+    if lo < hi:
+        entry.shard = nn.Parameter(bucket.params[lo:hi])
+        entry.shard_offset = lo
+    return entry
+
+
+@dataclass
+class _FullOptimizerState:
+    """Gathers an optimizer's sharded state into whole tensors by parameter name, and slices
+    a whole state back into this rank's shards (the engine's checkpoint format)."""
+
+    buckets: list[_Bucket]
+    scheme: _AllReduce
+    by_shard: dict[Tensor, _BucketEntry]
+    group_names: dict[Optimizer, list[list[str]]]
+    process_group: dist.ProcessGroup | None
+
+    def gather(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole optimizer state keyed by parameter name, on group rank 0 (``{}`` elsewhere).
+
+        The layout is torch's ``Optimizer.state_dict()`` with names for ids: ``state`` maps
+        each name to full, parameter-shaped tensors; ``param_groups[i]["params"]`` lists the
+        names in the original order, so a plain unsharded optimizer over the same groups can
+        ``load_state_dict`` it directly. Every rank of the group must call this.
+        """
+        meta = self._state_meta(optimizer)
+        state = {name: dict(m.scalars) for name, m in meta.items()}
+        no_state = _StateMeta()
+        for bucket in self.buckets:
+            keys = {kd for entry in bucket.entries for kd in meta.get(entry.name, no_state).sharded}
+            for key, dtype in sorted(keys, key=str):
+                full = self.scheme.gather_to_root(self._owned_state(optimizer, bucket, key, dtype))
+                for entry in bucket.entries if full is not None else ():
+                    if (key, dtype) in meta.get(entry.name, no_state).sharded:
+                        piece = full[entry.offset : entry.offset + entry.numel]
+                        state[entry.name][key] = piece.view_as(_local(entry.param)).clone()
+        if self.scheme.rank != 0:
+            return {}
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": names}
+            for group, names in zip(
+                optimizer.param_groups, self.group_names[optimizer], strict=True
+            )
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def _state_meta(self, optimizer: Optimizer) -> dict[str, _StateMeta]:
+        """Per parameter name: its scalar state and the keys of its elementwise state.
+
+        Exchanged between ranks so all of them join the same collectives, even for buckets
+        whose owned slice holds no state.
+        """
+        local = {}
+        for shard, values in optimizer.state.items():
+            entry = self.by_shard[shard]
+            local[entry.name] = _StateMeta.of(values, shard.numel())
+        everyone: list[dict[str, _StateMeta]] = [{} for _ in range(self.scheme.world_size)]
+        dist.all_gather_object(everyone, local, group=self.process_group)
+        merged: dict[str, _StateMeta] = {}
+        for rank_meta in everyone:
+            for name, meta in rank_meta.items():
+                merged.setdefault(name, _StateMeta(meta.scalars)).sharded.update(meta.sharded)
+        return merged
+
+    def _owned_state(
+        self, optimizer: Optimizer, bucket: _Bucket, key: str, dtype: torch.dtype
+    ) -> Tensor:
+        """This rank's owned range of a bucket, filled with state ``key`` where it exists."""
+        lo, hi = bucket.owned
+        owned = torch.zeros(hi - lo, dtype=dtype, device=bucket.params.device)
+        for entry in bucket.entries:
+            value = (
+                optimizer.state.get(entry.shard, {}).get(key) if entry.shard is not None else None
+            )
+            if value is not None:
+                start = entry.shard_offset - lo
+                owned[start : start + value.numel()] = value
+        return owned
+
+    def load(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load a full state (from :meth:`optimizer_state_dict` or a plain torch optimizer over
+        the same groups), keeping only this rank's slices: any rank count can resume it.
+        """
+        names = self.group_names[optimizer]
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(names):
+            raise ValueError(
+                f"The checkpoint has {len(saved_groups)} optimizer param groups, the optimizer"
+                f" has {len(names)}; build the optimizer with the same groups to resume."
+            )
+        full_state = _state_by_name(state_dict, names)
+        shards = [shard for group in optimizer.param_groups for shard in group["params"]]
+        state = {}
+        for index, shard in enumerate(shards):
+            entry = self.by_shard[shard]
+            values = full_state.get(entry.name, {})
+            state[index] = {
+                key: entry.shard_of(v) if _is_elementwise(v, entry.numel) else v
+                for key, v in values.items()
+            }
+        groups, start = [], 0
+        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+            hyper = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+            groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        optimizer.load_state_dict(
+            {"state": {i: s for i, s in state.items() if s}, "param_groups": groups}
+        )
+
+
 class GradientEngine:
     """Bucketed, overlapped data-parallel gradient reduction with optional ZeRO sharding.
 
@@ -330,17 +496,20 @@ class GradientEngine:
         self._scheme = _SCHEMES[stage](process_group)
         params = [param for _, param in named]
         self._buckets = [
-            self._build_bucket([named[i] for i in indices])
+            _pack_bucket([named[i] for i in indices], self._scheme)
             for indices in assign_buckets(params, bucket_size_mb)
         ]
-        self._slots = {slot.param: slot for bucket in self._buckets for slot in bucket.slots}
+        self._entries = {entry.param: entry for bucket in self._buckets for entry in bucket.entries}
         self._by_shard = {
-            slot.shard: slot for slot in self._slots.values() if slot.shard is not None
+            entry.shard: entry for entry in self._entries.values() if entry.shard is not None
         }
         self._hooks: list[RemovableHandle] = [
             param.register_post_accumulate_grad_hook(self._on_grad_ready) for param in params
         ]
         self._group_names: dict[Optimizer, list[list[str]]] = {}
+        self._full_state = _FullOptimizerState(
+            self._buckets, self._scheme, self._by_shard, self._group_names, process_group
+        )
         self._sync_grads = True
         self._finish_queued = False
         self._broadcast_params()
@@ -360,38 +529,6 @@ class GradientEngine:
         """Padded element count of each bucket, in reduction order."""
         return [bucket.params.numel() for bucket in self._buckets]
 
-    def _build_bucket(self, named: list[tuple[str, Tensor]]) -> _Bucket:
-        numel = sum(_local(param).numel() for _, param in named)
-        first = named[0][1]
-        flat = torch.zeros(
-            padded_numel(numel, self.world_size), dtype=first.dtype, device=first.device
-        )
-        bucket = _Bucket(params=flat, owned=self._scheme.owned(flat.numel()))
-        offset = 0
-        for name, param in named:
-            local = _local(param)
-            view = flat[offset : offset + local.numel()]
-            view.copy_(local.detach().reshape(-1))
-            local.data = view.view_as(local)
-            bucket.slots.append(self._make_slot(name, param, bucket, offset))
-            offset += local.numel()
-        if self._scheme.frees_grads and bucket.owned[1] > bucket.owned[0]:
-            bucket.shard_grads = torch.zeros(
-                bucket.owned[1] - bucket.owned[0], dtype=flat.dtype, device=flat.device
-            )
-        return bucket
-
-    @staticmethod
-    def _make_slot(name: str, param: Tensor, bucket: _Bucket, offset: int) -> _Slot:
-        numel = _local(param).numel()
-        slot = _Slot(name, param, bucket, offset, numel)
-        lo = max(offset, bucket.owned[0])
-        hi = min(offset + numel, bucket.owned[1])
-        if lo < hi:
-            slot.shard = nn.Parameter(bucket.params[lo:hi])
-            slot.shard_offset = lo
-        return slot
-
     def _broadcast_params(self) -> None:
         """Start every replica from group rank 0's weights, as torch DDP does."""
         works = [
@@ -406,17 +543,17 @@ class GradientEngine:
     # ---- backward: accumulate, launch, finish ---------------------------------------------
 
     def _on_grad_ready(self, param: Tensor) -> None:
-        slot = self._slots[param]
-        bucket = slot.bucket
+        entry = self._entries[param]
+        bucket = entry.bucket
         assert param.grad is not None
         grad = _local_grad(param)
-        bucket.grad_buffer()[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+        bucket.grad_buffer()[entry.offset : entry.offset + entry.numel].add_(grad.reshape(-1))
         param.grad = None
         if not self._sync_grads:
             return
         self._queue_finish()
-        bucket.ready += 1
-        if self.overlap_comm and bucket.ready == len(bucket.slots):
+        bucket.grads_arrived += 1
+        if self.overlap_comm and bucket.grads_arrived == len(bucket.entries):
             bucket.work = self._scheme.reduce(bucket)
 
     def _queue_finish(self) -> None:
@@ -439,16 +576,16 @@ class GradientEngine:
         for bucket in self._buckets:
             assert bucket.work is not None
             bucket.work.wait()
-            bucket.work, bucket.ready = None, 0
+            bucket.work, bucket.grads_arrived = None, 0
             self._publish(bucket)
 
     def _publish(self, bucket: _Bucket) -> None:
         reduced = self._scheme.reduced_grads(bucket).div_(self.world_size)
         lo = bucket.owned[0]
-        for slot in bucket.slots:
-            if slot.shard is not None:
-                start = slot.shard_offset - lo
-                slot.shard.grad = reduced[start : start + slot.shard.numel()]
+        for entry in bucket.entries:
+            if entry.shard is not None:
+                start = entry.shard_offset - lo
+                entry.shard.grad = reduced[start : start + entry.shard.numel()]
         if self._scheme.frees_grads:
             bucket.grads = None
         bucket.stale = True
@@ -460,8 +597,8 @@ class GradientEngine:
         :meth:`finish_grad_sync`; a collective on it (e.g. summing a tied weight's gradient
         across pipeline stages) is folded into the coming reduction.
         """
-        slot = self._slot(param)
-        flat = slot.bucket.grad_buffer()[slot.offset : slot.offset + slot.numel]
+        entry = self._entry(param)
+        flat = entry.bucket.grad_buffer()[entry.offset : entry.offset + entry.numel]
         return flat.view_as(_local(param))
 
     @contextmanager
@@ -488,11 +625,11 @@ class GradientEngine:
         """
         check_shardable(optimizer)
         names = [
-            [self._slot(param).name for param in group["params"]]
+            [self._entry(param).name for param in group["params"]]
             for group in optimizer.param_groups
         ]
         existing = {
-            "state": {self._slot(param).name: state for param, state in optimizer.state.items()},
+            "state": {self._entry(param).name: state for param, state in optimizer.state.items()},
             "param_groups": [
                 {**group, "params": group_names}
                 for group, group_names in zip(optimizer.param_groups, names, strict=True)
@@ -500,22 +637,22 @@ class GradientEngine:
         }
         self._group_names[optimizer] = names
         for group in optimizer.param_groups:
-            shards = (self._slot(param).shard for param in group["params"])
+            shards = (self._entry(param).shard for param in group["params"])
             group["params"] = [shard for shard in shards if shard is not None]
         optimizer.state.clear()
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.sync_params()))
         if existing["state"]:
             self.load_optimizer_state_dict(optimizer, existing)
 
-    def _slot(self, param: Tensor) -> _Slot:
-        slot = self._slots.get(param)
-        if slot is None:
+    def _entry(self, param: Tensor) -> _BucketEntry:
+        entry = self._entries.get(param)
+        if entry is None:
             raise ValueError(
                 f"The optimizer steps a parameter of shape {tuple(param.shape)} that the gradient"
                 " engine does not manage; build the optimizer from the module's trainable"
                 " parameters."
             )
-        return slot
+        return entry
 
     def parameter_of(self, shard: Tensor) -> Tensor:
         """The model parameter that ``shard`` (a parameter the optimizer steps) is a slice of."""
@@ -550,101 +687,17 @@ class GradientEngine:
         names in the original order, so a plain unsharded optimizer over the same groups can
         ``load_state_dict`` it directly. Every rank of the group must call this.
         """
-        meta = self._state_meta(optimizer)
-        state = {name: dict(scalars) for name, (scalars, _) in meta.items()}
-        for bucket in self._buckets:
-            keys = {kd for slot in bucket.slots for kd in meta.get(slot.name, ({}, set()))[1]}
-            for key, dtype in sorted(keys, key=str):
-                full = self._scheme.gather_to_root(self._owned_state(optimizer, bucket, key, dtype))
-                for slot in bucket.slots if full is not None else ():
-                    if (key, dtype) in meta.get(slot.name, ({}, set()))[1]:
-                        piece = full[slot.offset : slot.offset + slot.numel]
-                        state[slot.name][key] = piece.view_as(_local(slot.param)).clone()
-        if self._scheme.rank != 0:
-            return {}
-        groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": names}
-            for group, names in zip(
-                optimizer.param_groups, self._group_names[optimizer], strict=True
-            )
-        ]
-        return {"state": state, "param_groups": groups}
-
-    def parameter_names(self, optimizer: Optimizer) -> list[str]:
-        """Names of the parameters ``optimizer`` steps, group by group (after :meth:`attach`)."""
-        return [name for group in self._group_names[optimizer] for name in group]
-
-    def _state_meta(self, optimizer: Optimizer) -> dict[str, tuple[dict[str, Any], set]]:
-        """Per name: scalar state (e.g. ``step``) and the ``(key, dtype)`` of sharded state.
-
-        Exchanged between ranks so all of them join the same collectives, even for buckets
-        whose owned slice holds no state.
-        """
-        local = {}
-        for shard, values in optimizer.state.items():
-            slot = self._by_shard[shard]
-            sharded = {(k, v.dtype) for k, v in values.items() if self._is_sharded(v, shard)}
-            scalars = {k: v for k, v in values.items() if not self._is_sharded(v, shard)}
-            local[slot.name] = (scalars, sharded)
-        everyone: list[dict] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(everyone, local, group=self.process_group)
-        merged: dict[str, tuple[dict[str, Any], set]] = {}
-        for rank_meta in everyone:
-            for name, (scalars, sharded) in rank_meta.items():
-                entry = merged.setdefault(name, (scalars, set()))
-                entry[1].update(sharded)
-        return merged
-
-    @staticmethod
-    def _is_sharded(value: Any, shard: Tensor) -> bool:
-        return torch.is_tensor(value) and value.dim() > 0 and value.numel() == shard.numel()
-
-    def _owned_state(
-        self, optimizer: Optimizer, bucket: _Bucket, key: str, dtype: torch.dtype
-    ) -> Tensor:
-        """This rank's owned range of a bucket, filled with state ``key`` where it exists."""
-        lo, hi = bucket.owned
-        owned = torch.zeros(hi - lo, dtype=dtype, device=bucket.params.device)
-        for slot in bucket.slots:
-            value = optimizer.state.get(slot.shard, {}).get(key) if slot.shard is not None else None
-            if value is not None:
-                start = slot.shard_offset - lo
-                owned[start : start + value.numel()] = value
-        return owned
+        return self._full_state.gather(optimizer)
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """Load a full state (from :meth:`optimizer_state_dict` or a plain torch optimizer over
         the same groups), keeping only this rank's slices: any rank count can resume it.
         """
-        names = self._group_names[optimizer]
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(names):
-            raise ValueError(
-                f"The checkpoint has {len(saved_groups)} optimizer param groups, the optimizer"
-                f" has {len(names)}; build the optimizer with the same groups to resume."
-            )
-        full_state = _state_by_name(state_dict, names)
-        shards = [shard for group in optimizer.param_groups for shard in group["params"]]
-        state = {}
-        for index, shard in enumerate(shards):
-            slot = self._by_shard[shard]
-            values = full_state.get(slot.name, {})
-            state[index] = {
-                key: slot.shard_of(v) if self._is_sharded_full(v, slot) else v
-                for key, v in values.items()
-            }
-        groups, start = [], 0
-        for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
-            hyper = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-            groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
-            start += len(group["params"])
-        optimizer.load_state_dict(
-            {"state": {i: s for i, s in state.items() if s}, "param_groups": groups}
-        )
+        self._full_state.load(optimizer, state_dict)
 
-    @staticmethod
-    def _is_sharded_full(value: Any, slot: _Slot) -> bool:
-        return torch.is_tensor(value) and value.dim() > 0 and value.numel() == slot.numel
+    def parameter_names(self, optimizer: Optimizer) -> list[str]:
+        """Names of the parameters ``optimizer`` steps, group by group (after :meth:`attach`)."""
+        return [name for group in self._group_names[optimizer] for name in group]
 
     # ---- accounting and teardown ---------------------------------------------------------
 

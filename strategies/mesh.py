@@ -5,11 +5,16 @@ validates them in ``__post_init__`` (before any process starts), derives the dat
 degree when it is ``"auto"`` (``world_size / (tensor_parallel * pipeline_parallel)``, as
 Megatron-LM computes ``data_parallel_size``), and builds one DeviceMesh whose named
 dimensions hand out sub-meshes and process groups.
+
+A strategy validates its degrees once, at construction, without a world size (what can
+be checked then is), and fills the world size in with :meth:`ParallelDims.with_world_size`
+when it is known (before launching, then after the process group starts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
@@ -32,8 +37,8 @@ class ParallelDims:
         ValueError: On a layout that cannot run, naming the offending values.
     """
 
-    world_size: int
-    """Total number of ranks (``nodes x processes per node``)."""
+    world_size: int | None = None
+    """Total number of ranks (``nodes x processes per node``); None until it is known."""
     data_parallel: int | Literal["auto"] = "auto"
     """Replicas; ``"auto"``: ``world_size / (tensor_parallel * pipeline_parallel)``."""
     tensor_parallel: int = 1
@@ -49,8 +54,17 @@ class ParallelDims:
     zero_stage: int = 0
     """Data-parallel sharding: 0 (DDP), 1 (optimizer state), 2 (+ grads), 3 (+ params, FSDP2)."""
 
+    requested_data_parallel: int | Literal["auto"] = field(init=False, repr=False)
+    """``data_parallel`` as given, before ``"auto"`` was resolved."""
+
     def __post_init__(self) -> None:
+        self.requested_data_parallel = self.data_parallel
         self._check_positive()
+        self._check_options()
+        if self.world_size is None:
+            if self.data_parallel != "auto":
+                self._check_experts()
+            return
         model_parallel = self.tensor_parallel * self.pipeline_parallel
         if self.world_size % model_parallel:
             raise ValueError(
@@ -61,16 +75,23 @@ class ParallelDims:
         if self.data_parallel == "auto":
             self.data_parallel = self.world_size // model_parallel
         self._check_product()
-        self._check_options()
+        self._check_experts()
+
+    def with_world_size(self, world_size: int) -> ParallelDims:
+        """These degrees over ``world_size`` ranks, validated (``"auto"`` resolved anew)."""
+        return dataclasses.replace(
+            self, world_size=world_size, data_parallel=self.requested_data_parallel
+        )
 
     def _check_positive(self) -> None:
         degrees = {
-            "world_size": self.world_size,
             "tensor_parallel": self.tensor_parallel,
             "pipeline_parallel": self.pipeline_parallel,
             "virtual_pipeline_parallel": self.virtual_pipeline_parallel,
             "expert_parallel": self.expert_parallel,
         }
+        if self.world_size is not None:
+            degrees["world_size"] = self.world_size
         if self.data_parallel != "auto":
             degrees["data_parallel"] = self.data_parallel
         bad = {name: v for name, v in degrees.items() if not isinstance(v, int) or v < 1}
@@ -85,6 +106,8 @@ class ParallelDims:
                 f" x pipeline_parallel={self.pipeline_parallel} = {product} != world_size="
                 f"{self.world_size}; set data_parallel to 'auto' or fix the degrees."
             )
+
+    def _check_experts(self) -> None:
         if self.data_parallel % self.expert_parallel:
             raise ValueError(
                 f"expert_parallel={self.expert_parallel} must divide data_parallel="
@@ -107,8 +130,9 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """The data-parallel degree (resolved from ``"auto"``)."""
-        assert isinstance(self.data_parallel, int)
+        """The data-parallel degree (resolved from ``"auto"`` once the world size is known)."""
+        if not isinstance(self.data_parallel, int):
+            raise RuntimeError("data_parallel='auto' is resolved once the world size is known.")
         return self.data_parallel
 
     @property

@@ -1,10 +1,12 @@
 """Pipeline parallelism: stage splitting and one executor for every schedule.
 
-:func:`split_model` cuts a zoo :class:`~plugintrain.model_zoo.Transformer` into this rank's
-model chunks in place (torchtitan's layout: the ``layers`` ``ModuleDict`` keeps the
-full-model keys of the layers it still holds, and ``tok_embeddings``/``norm``/``output`` are
-``None`` on the ranks that do not run the first or last stage), so parameter names,
-tensor-parallel plans and checkpoints keep their full-model paths.
+:func:`split_model` cuts any :class:`~plugintrain.distributed.StagedModel` (the zoo's
+``Transformer``, or a new family that implements the protocol) into this rank's virtual
+stages in place (torchtitan's layout: the ``layers`` ``ModuleDict`` keeps the full-model
+keys of the layers it still holds, and the embedding and head are dropped on the ranks
+that do not run the first or last stage), so parameter names, tensor-parallel plans and
+checkpoints keep their full-model paths. :class:`PipelineOptions` groups how a pipeline
+runs (schedule, micro-batches, uneven stages, wire dtype).
 
 :class:`PipelineExecutor` runs any :class:`~plugintrain.strategies.pipeline_schedules.
 Schedule`: each action is the forward or backward of one micro-batch through one chunk;
@@ -28,8 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from plugintrain.model_zoo.transformer import Transformer
-from plugintrain.strategies.pipeline_schedules import Action, Schedule, build_schedule, forward_only
+from plugintrain.distributed import StagedModel
+from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.pipeline_schedules import (
+    Action,
+    Schedule,
+    build_schedule,
+    forward_only,
+)
+from plugintrain.strategies.pipeline_schedules import validate as validate_schedule
 
 ContextFactory = Callable[[], AbstractContextManager]
 
@@ -76,13 +85,72 @@ def stage_layer_keys(
     ]
 
 
-@dataclass
-class StageChunk:
-    """One virtual stage of a split :class:`Transformer` (not a module: the modules stay
-    registered on the split model, under their full-model names)."""
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How a pipeline runs, beside its degrees (``pipeline_parallel`` and
+    ``virtual_pipeline_parallel`` are degrees of the mesh and live in ``ParallelDims``).
 
-    model: Transformer
-    stage: int
+    Build it with :meth:`resolve`, which fills the defaults from the degrees and refuses
+    a schedule that cannot run them.
+    """
+
+    schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` or ``interleaved``."""
+    microbatches: int = 1
+    """Micro-batches each batch is cut into."""
+    layers_per_stage: tuple[int, ...] | None = None
+    """Blocks of each virtual stage, in stage order; None: equal."""
+    wire_dtype: torch.dtype = torch.float32
+    """Dtype of the activations and gradients sent between stages."""
+
+    @classmethod
+    def resolve(
+        cls,
+        dims: ParallelDims,
+        schedule: str | None = None,
+        microbatches: int | None = None,
+        layers_per_stage: Sequence[int] | None = None,
+        wire_dtype: torch.dtype | str = torch.float32,
+    ) -> PipelineOptions:
+        """Defaults from ``dims`` (``1f1b``, or ``interleaved`` with vpp > 1; ``microbatches =
+        pipeline_parallel``), validated when ``dims`` has a pipeline.
+
+        Raises:
+            ValueError: On a schedule that cannot run the degrees, or an unknown dtype.
+        """
+        vpp = dims.virtual_pipeline_parallel
+        options = cls(
+            schedule=schedule or ("interleaved" if vpp > 1 else "1f1b"),
+            microbatches=dims.pipeline_parallel if microbatches is None else microbatches,
+            layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
+            wire_dtype=_dtype(wire_dtype),
+        )
+        if dims.pipeline_parallel > 1:
+            validate_schedule(dims.pipeline_parallel, vpp, options.microbatches, options.schedule)
+        return options
+
+
+def _dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"wire_dtype={value!r} is not a torch dtype; use e.g. 'float32'.")
+    return dtype
+
+
+@dataclass
+class VirtualStage:
+    """One virtual stage of a split :class:`~plugintrain.distributed.StagedModel`: which of
+    the model's blocks it runs, and whether it embeds (first) or runs the head (last).
+
+    Not a module: the modules stay registered on the split model, under their full-model
+    names, so plans and checkpoints keep their paths.
+    """
+
+    model: StagedModel
+    index: int
+    """The virtual stage's place in the whole pipeline (0 embeds, the last runs the head)."""
     layer_keys: list[str]
     is_first: bool
     is_last: bool
@@ -94,59 +162,48 @@ class StageChunk:
             x: The stage input.
             seq_len: The full sequence length ``T`` (hidden states may be sequence shards).
         """
-        model = self.model
-        pos = torch.arange(seq_len, device=x.device)
-        h = model._embed(x, pos) if self.is_first else x
-        rope = (model.rope_cos[pos], model.rope_sin[pos]) if model.rope_cos is not None else None
-        for key in self.layer_keys:
-            h = model.layers[key](h, rope)
-        if self.is_last:
-            h = model.output(model.norm(h))
-        return h
+        positions = torch.arange(seq_len, device=x.device)
+        h = self.model.embed(x, positions) if self.is_first else x
+        h = self.model.run_layers(h, self.layer_keys, positions)
+        return self.model.head(h) if self.is_last else h
 
 
 def split_model(
-    model: Transformer,
+    model: StagedModel,
     rank: int,
     pp: int,
     vpp: int = 1,
     layers_per_stage: Sequence[int] | None = None,
-) -> list[StageChunk]:
-    """Keep only pipeline rank ``rank``'s ``vpp`` chunks of ``model`` (in place).
+) -> list[VirtualStage]:
+    """Keep only pipeline rank ``rank``'s ``vpp`` virtual stages of ``model`` (in place).
 
-    Chunk ``c`` is virtual stage ``c * pp + rank``. The first stage keeps the embeddings,
-    the last the final norm and the head. A head tied to the embedding stays the same
-    ``Parameter`` on the last stage; the strategy keeps the two copies equal by summing
-    their gradients across the first and last stage.
+    Virtual stage ``c * pp + rank`` is the rank's chunk ``c``. The first stage keeps the
+    embeddings, the last the final norm and the head (see ``StagedModel.keep_stage``). A
+    head tied to the embedding stays the same ``Parameter`` on the last stage; the
+    strategy keeps the two copies equal (:mod:`plugintrain.strategies.tied`).
 
     Args:
-        model: The full model, the same (seeded) on every rank.
+        model: The full model, the same (seeded) on every rank; its ``layers`` keys are
+            ``"0"`` to ``str(n_layer - 1)``.
         rank: This pipeline rank.
         pp: Pipeline ranks.
-        vpp: Chunks per rank.
+        vpp: Virtual stages per rank.
         layers_per_stage: Blocks of each virtual stage (e.g. ``[5, 3]`` to give the
             last stage, which also runs the head, fewer); None: equal runs.
 
     Returns:
-        The rank's chunks, in chunk order.
+        The rank's virtual stages, in chunk order.
     """
-    n_layer = model.config.n_layer
+    n_layer = len(model.layers)
     check_layers(n_layer, pp, vpp, layers_per_stage)
     num_stages = pp * vpp
     keys = stage_layer_keys(n_layer, num_stages, layers_per_stage)
     stages = [c * pp + rank for c in range(vpp)]
     owned = {key for s in stages for key in keys[s]}
-    for key in [k for k in model.layers if k not in owned]:
-        del model.layers[key]
-    first, last = 0 in stages, num_stages - 1 in stages
-    if not first:
-        model.tok_embeddings = None
-        model.pos_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
+    model.keep_stage(owned, first=0 in stages, last=num_stages - 1 in stages)
     return [
-        StageChunk(model, s, keys[s], is_first=s == 0, is_last=s == num_stages - 1) for s in stages
+        VirtualStage(model, s, keys[s], is_first=s == 0, is_last=s == num_stages - 1)
+        for s in stages
     ]
 
 
@@ -154,7 +211,7 @@ class PipelineExecutor:
     """Runs a schedule's actions for one pipeline rank.
 
     Args:
-        chunks: This rank's chunks, in chunk order (from :func:`split_model`).
+        stages: This rank's virtual stages, in chunk order (from :func:`split_model`).
         schedule: ``gpipe``, ``1f1b`` or ``interleaved``.
         pp: Pipeline ranks.
         vpp: Chunks per rank.
@@ -178,7 +235,7 @@ class PipelineExecutor:
 
     def __init__(
         self,
-        chunks: list[StageChunk],
+        stages: list[VirtualStage],
         schedule: str,
         pp: int,
         vpp: int,
@@ -192,9 +249,9 @@ class PipelineExecutor:
         forward_context: ContextFactory = nullcontext,
         backward_context: ContextFactory = nullcontext,
     ) -> None:
-        if len(chunks) != vpp:
-            raise ValueError(f"Rank {rank} got {len(chunks)} chunks for vpp={vpp}.")
-        self.chunks = chunks
+        if len(stages) != vpp:
+            raise ValueError(f"Rank {rank} got {len(stages)} virtual stages for vpp={vpp}.")
+        self.stages = stages
         self.pp, self.vpp, self.rank = pp, vpp, rank
         self.train_schedule = build_schedule(schedule, pp, vpp, microbatches)
         self.group = group
@@ -330,23 +387,23 @@ class PipelineExecutor:
         stash: dict,
         losses: list[Tensor],
     ) -> None:
-        chunk = self.chunks[action.chunk]
+        stage = self.stages[action.chunk]
         mb = action.microbatch
-        if chunk.is_first:
+        if stage.is_first:
             x = inputs[mb]
         else:
-            x = self._recv(shape, chunk.stage - 1, self._tag("F", chunk.stage - 1, mb), device)
+            x = self._recv(shape, stage.index - 1, self._tag("F", stage.index - 1, mb), device)
             x.requires_grad_(training)
         with self.forward_context():
-            out = chunk(x, seq_len)
-            if chunk.is_last:
+            out = stage(x, seq_len)
+            if stage.is_last:
                 out = self.loss_fn(out, targets[mb])
-        if chunk.is_last:
+        if stage.is_last:
             losses.append(out.detach().float())
         else:
-            self._send(out, chunk.stage + 1, self._tag("F", chunk.stage, mb))
+            self._send(out, stage.index + 1, self._tag("F", stage.index, mb))
         if training:
-            stash[(action.chunk, mb)] = (None if chunk.is_first else x, out)
+            stash[(action.chunk, mb)] = (None if stage.is_first else x, out)
 
     def _backward(
         self,
@@ -357,19 +414,19 @@ class PipelineExecutor:
         loss_scale: float,
         scale_loss: Callable[[Tensor], Tensor] | None,
     ) -> None:
-        chunk = self.chunks[action.chunk]
+        stage = self.stages[action.chunk]
         mb = action.microbatch
         x, out = stash.pop((action.chunk, mb))
         with self.backward_context():
-            if chunk.is_last:
+            if stage.is_last:
                 loss = out * loss_scale
                 torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)
             else:
                 grad = self._recv(
-                    shape, chunk.stage + 1, self._tag("B", chunk.stage + 1, mb), device
+                    shape, stage.index + 1, self._tag("B", stage.index + 1, mb), device
                 )
                 torch.autograd.backward(out, grad.to(out.dtype))
         if x is not None:
             assert x.grad is not None
-            self._send(x.grad, chunk.stage - 1, self._tag("B", chunk.stage, mb))
+            self._send(x.grad, stage.index - 1, self._tag("B", stage.index, mb))
         del x, out  # the activations of this micro-batch and chunk are free now

@@ -202,7 +202,7 @@ class DeadlockError(RuntimeError):
 
 
 @dataclass
-class Slot:
+class TimeSlot:
     """An action placed in time on one rank."""
 
     action: Action
@@ -216,7 +216,7 @@ class Simulation:
     """What :func:`simulate` found."""
 
     schedule: Schedule
-    timeline: list[list[Slot]]
+    timeline: list[list[TimeSlot]]
     """Per rank, the actions with their start and end times."""
     makespan: Fraction
     """Time from the first action to the last."""
@@ -293,7 +293,7 @@ def textbook_bubble(pp: int, microbatches: int, vpp: int = 1) -> Fraction:
     return Fraction(pp - 1, vpp * microbatches + pp - 1)
 
 
-def _gcd_time(timeline: list[list[Slot]]) -> Fraction:
+def _gcd_time(timeline: list[list[TimeSlot]]) -> Fraction:
     from math import gcd, lcm
 
     times = [t for rank in timeline for slot in rank for t in (slot.start, slot.end)]
@@ -356,7 +356,7 @@ def simulate(
     }
     last = s.num_stages - 1
     done: dict[tuple[str, int, int], Fraction] = {}
-    timeline: list[list[Slot]] = [[] for _ in range(s.pp)]
+    timeline: list[list[TimeSlot]] = [[] for _ in range(s.pp)]
     clock = [Fraction(0)] * s.pp
     cursor = [0] * s.pp
     progress = True
@@ -374,18 +374,11 @@ def simulate(
                 start = max([clock[rank], *(done[d] for d in deps)])
                 end = start + durations[action.kind]
                 done[(action.kind, stage, action.microbatch)] = end
-                timeline[rank].append(Slot(action, stage, start, end))
+                timeline[rank].append(TimeSlot(action, stage, start, end))
                 clock[rank] = end
                 cursor[rank] += 1
                 progress = True
-    stuck = {
-        rank: s.actions[rank][cursor[rank]]
-        for rank in range(s.pp)
-        if cursor[rank] < len(s.actions[rank])
-    }
-    if stuck:
-        detail = ", ".join(f"rank {r} waits at {a}" for r, a in stuck.items())
-        raise DeadlockError(f"The {s.name} schedule deadlocks: {detail}.")
+    _raise_if_stuck(s, cursor)
     busy = [sum((slot.end - slot.start for slot in rank), Fraction(0)) for rank in timeline]
     return Simulation(
         schedule=s,
@@ -397,6 +390,18 @@ def simulate(
         forward_time=Fraction(forward_time),
         backward_time=Fraction(backward_time),
     )
+
+
+def _raise_if_stuck(schedule: Schedule, cursor: list[int]) -> None:
+    """Raise a ``DeadlockError`` naming each rank's first action that never ran."""
+    stuck = {
+        rank: actions[cursor[rank]]
+        for rank, actions in enumerate(schedule.actions)
+        if cursor[rank] < len(actions)
+    }
+    if stuck:
+        detail = ", ".join(f"rank {r} waits at {a}" for r, a in stuck.items())
+        raise DeadlockError(f"The {schedule.name} schedule deadlocks: {detail}.")
 
 
 def _peak_in_flight(actions: list[Action]) -> int:

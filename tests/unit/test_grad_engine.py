@@ -218,7 +218,9 @@ def test_overlap_launches_buckets_from_the_gradient_hooks(
 def test_block_backward_sync_accumulates_without_communicating() -> None:
     model = _mlp()
     strategy = ZeroStrategy(stage=2, bucket_size_mb=1 / 16384)
-    strategy._engine = GradientEngine(model.named_parameters(), stage=2, bucket_size_mb=1 / 16384)
+    strategy._binding.install(
+        GradientEngine(model.named_parameters(), stage=2, bucket_size_mb=1 / 16384)
+    )
     with strategy.block_backward_sync():
         model(torch.randn(4, 5)).sum().backward()
     assert strategy.engine.grad_bytes() > strategy.engine._buckets[0].shard_grads.numel() * 4

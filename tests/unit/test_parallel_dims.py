@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
-from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig, gpt2, llama3
+from plugintrain.distributed import ParallelModule, StagedModel, check_contract
+from plugintrain.model_zoo import (
+    CausalLM,
+    MNISTClassifier,
+    Transformer,
+    TransformerConfig,
+    gpt2,
+    llama3,
+)
 from plugintrain.strategies import HybridParallelStrategy, ParallelDims
 from plugintrain.strategies.tensor_parallel import expand_plan, style
 
@@ -75,12 +84,12 @@ def test_strategy_rejects_unsupported_degrees_at_construction() -> None:
 
 
 def test_pipeline_defaults() -> None:
-    strategy = HybridParallelStrategy(pipeline_parallel=4)
-    assert (strategy.schedule, strategy.microbatches) == ("1f1b", 4)
-    assert HybridParallelStrategy(pipeline_parallel=2, virtual_pipeline_parallel=2).schedule == (
-        "interleaved"
-    )
-    assert HybridParallelStrategy(wire_dtype="bfloat16").wire_dtype == torch.bfloat16
+    options = HybridParallelStrategy(pipeline_parallel=4).pipeline_options
+    assert (options.schedule, options.microbatches) == ("1f1b", 4)
+    interleaved = HybridParallelStrategy(pipeline_parallel=2, virtual_pipeline_parallel=2)
+    assert interleaved.pipeline_options.schedule == "interleaved"
+    wire = HybridParallelStrategy(wire_dtype="bfloat16").pipeline_options.wire_dtype
+    assert wire == torch.bfloat16
 
 
 @pytest.mark.parametrize("family", [gpt2, llama3])
@@ -109,3 +118,31 @@ def test_causal_lm_plan_is_keyed_under_its_model() -> None:
     plan = CausalLM("llama3-debug").tp_plan()
     assert plan["model.layers.*.attention.wq"] == "colwise"
     assert plan["model.output"] == "vocab_head"
+
+
+def _strategy_on(devices: int, **kwargs: object) -> HybridParallelStrategy:
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=HybridParallelStrategy(**kwargs), logger=False
+    )
+    return trainer.strategy
+
+
+def test_model_parallel_layouts_name_what_a_module_lacks() -> None:
+    expected = (
+        r"HybridParallelStrategy\(tensor_parallel=2, pipeline_parallel=1\) needs MNISTClassifier"
+        r" to implement plugintrain.distributed.ParallelModule; it lacks config, model, tp_plan,"
+        r" loss_fn, record_loss\."
+    )
+    with pytest.raises(TypeError, match=expected):
+        _strategy_on(2, tensor_parallel=2).check_model(MNISTClassifier())
+    # Data parallelism alone takes any module; CausalLM implements the whole contract.
+    _strategy_on(2).check_model(MNISTClassifier())
+    _strategy_on(2, tensor_parallel=2).check_model(CausalLM("llama3-debug"))
+    assert isinstance(CausalLM("gpt2-debug"), ParallelModule)
+
+
+def test_pipeline_needs_a_staged_model() -> None:
+    with pytest.raises(TypeError, match=r"Linear to implement .*StagedModel; it lacks layers,"):
+        check_contract(nn.Linear(2, 2), StagedModel, "pipeline_parallel=2")
+    model = Transformer(TransformerConfig.from_name("gpt2-debug", n_layer=1, vocab_size=64))
+    assert isinstance(model, StagedModel)

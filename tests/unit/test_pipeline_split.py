@@ -20,7 +20,7 @@ def test_interleaved_split_winds_layers_around_the_ranks() -> None:
     assert stage_layer_keys(4, 4) == [["0"], ["1"], ["2"], ["3"]]
     first = split_model(_model("gpt2-debug"), rank=0, pp=2, vpp=2)
     last = split_model(_model("gpt2-debug"), rank=1, pp=2, vpp=2)
-    assert [c.stage for c in first] == [0, 2] and [c.stage for c in last] == [1, 3]
+    assert [c.index for c in first] == [0, 2] and [c.index for c in last] == [1, 3]
     assert list(first[0].model.layers) == ["0", "2"]
     assert list(last[0].model.layers) == ["1", "3"]
     assert first[0].model.tok_embeddings is not None and first[0].model.output is None
@@ -45,7 +45,7 @@ def test_stages_hold_the_whole_model_by_full_names_and_compose_to_it(
         names |= set(chunks[0].model.state_dict())
         for name, value in chunks[0].model.state_dict().items():
             torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
-        chunks_by_stage.update({c.stage: c for c in chunks})
+        chunks_by_stage.update({c.index: c for c in chunks})
     assert names == set(reference)  # a tied head appears as `output.weight` on the last stage
     h = x
     for stage in range(pp * vpp):

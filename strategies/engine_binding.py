@@ -1,0 +1,108 @@
+"""Binds one :class:`~plugintrain.strategies.GradientEngine` to a Lightning strategy.
+
+The engine knows nothing of Lightning; each strategy that drives it (``ZeroStrategy`` /
+``ParameterServerStrategy`` and ``HybridParallelStrategy``) holds one
+:class:`EngineBinding` and forwards its hooks to it: attaching the optimizers, skipping
+the reduction under gradient accumulation (``no_sync``), saving and loading the full
+optimizer state by parameter name, refusing clipping that would see only a shard, and
+removing the hooks at teardown. Neither strategy imports the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from torch.optim import Optimizer
+
+from plugintrain.strategies.grad_engine import GradientEngine
+
+
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class EngineBinding:
+    """One strategy's gradient engine and the Lightning hooks that drive it.
+
+    Args:
+        owner: The strategy's class name, for error messages.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._engine: GradientEngine | None = None
+        self.accumulating = False
+        """Whether a backward under Lightning's gradient accumulation is running."""
+
+    @property
+    def bound(self) -> bool:
+        """Whether an engine is installed (while fitting, after the strategy's setup)."""
+        return self._engine is not None
+
+    @property
+    def engine(self) -> GradientEngine:
+        """The engine; raises outside fitting."""
+        if self._engine is None:
+            raise RuntimeError(f"{self.owner}'s gradient engine exists only while fitting.")
+        return self._engine
+
+    def check_clipping(self, trainer: pl.Trainer, precision_plugin: Precision) -> None:
+        """Refuse gradient clipping by a plugin that would see only this rank's shard."""
+        # Lightning's own plugins clip by the norm of the local shard only: wrong under ZeRO.
+        if trainer.gradient_clip_val and not hasattr(precision_plugin, "gradient_layout"):
+            raise ValueError(
+                f"Gradient clipping (gradient_clip_val={trainer.gradient_clip_val}) with"
+                f" {self.owner} needs a layout-aware precision plugin, got"
+                f" {type(precision_plugin).__name__}. Pass e.g."
+                " `plugins=[plugintrain.precision_plugins.FP32Precision()]`."
+            )
+
+    def install(self, engine: GradientEngine | None) -> None:
+        """Drive ``engine`` from now on (None: no engine, e.g. FSDP2 reduces instead)."""
+        self._engine = engine
+
+    def attach(self, optimizers: Iterable[Optimizer]) -> None:
+        """Hand the engine every optimizer (re-pointed at this rank's shards), if installed."""
+        if self._engine is not None:
+            for optimizer in optimizers:
+                self._engine.attach(unwrap_optimizer(optimizer))
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (Lightning's ``block_backward_sync``)."""
+        previous, self.accumulating = self.accumulating, True
+        try:
+            if self._engine is None:
+                yield
+            else:
+                with self._engine.no_sync():
+                    yield
+        finally:
+            self.accumulating = previous
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter name on dp rank 0 (``{}`` elsewhere)."""
+        return self.engine.optimizer_state_dict(unwrap_optimizer(optimizer))
+
+    def load_optimizer_states(
+        self, optimizers: Iterable[Optimizer], states: Iterable[Mapping[str, Any]]
+    ) -> None:
+        """Load full states (from any rank count, or a plain optimizer), keeping this rank's
+        slices."""
+        for optimizer, state in zip(optimizers, states, strict=True):
+            self.engine.load_optimizer_state_dict(unwrap_optimizer(optimizer), dict(state))
+
+    def teardown(self) -> None:
+        """Remove the engine's hooks.
+
+        The engine itself stays, so ``trainer.save_checkpoint`` after ``fit`` still gathers
+        the optimizer shards it owns.
+        """
+        if self._engine is not None:
+            self._engine.remove()

@@ -1,0 +1,206 @@
+"""Apply parallelism to a model from outside, in torchtitan's order.
+
+torchtitan's ``models/llama3/infra/parallelize.py`` applies, in a fixed order: tensor
+(+ sequence) parallelism by the model's declarative plan, then (in later issues)
+activation recomputation and compile, then data parallelism. These free functions do
+the same for any module: the tensor-parallel plan on ``mesh["tp"]``
+(:mod:`plugintrain.strategies.tensor_parallel`), then torch FSDP2 ``fully_shard`` for ZeRO
+stage 3, or our :class:`~plugintrain.strategies.GradientEngine` on ``mesh["dp"]`` for stage
+0/1/2 (bucketed all-reduce or reduce-scatter of the DTensors' local shards). The
+functions beside them describe the result: how many tp ranks hold each piece
+(:func:`tp_replicas`) and the gradient layout over the whole world
+(:func:`hybrid_gradient_layout`) that precision plugins clip and check found-inf by.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from plugintrain.distributed import (
+    GradientLayout,
+    GradientPiece,
+    ParallelModule,
+    check_contract,
+    default_gradient_layout,
+)
+from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.pipeline import PipelineOptions
+from plugintrain.strategies.pipeline_runtime import check_pipeline
+from plugintrain.strategies.tensor_parallel import apply_tensor_parallel
+
+# Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
+_BLOCK = re.compile(r"(.*\.)?layers\.\d+")
+
+
+def parallelize(
+    module: nn.Module,
+    plan: dict[str, str] | None,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    bucket_size_mb: float = 25.0,
+    overlap_comm: bool = True,
+) -> GradientEngine | None:
+    """Apply TP(+SP), then data parallelism, to ``module`` in place.
+
+    Args:
+        module: The model (or the LightningModule holding it); ``plan`` paths are relative
+            to it.
+        plan: Module path pattern -> style name; None or empty when ``tensor_parallel == 1``.
+        dims: The degrees.
+        mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
+        bucket_size_mb: Gradient bucket size of the engine (ZeRO stage 0/1/2).
+        overlap_comm: Reduce buckets during backward (ZeRO stage 0/1/2).
+
+    Returns:
+        The gradient engine for ZeRO stage 0/1/2 (attach the optimizer to it); None for
+        FSDP2 (stage 3), whose optimizer steps the module's own sharded parameters.
+    """
+    shard_model(module, plan, dims, mesh)
+    return build_engine(module, dims, mesh, bucket_size_mb, overlap_comm)
+
+
+def shard_model(
+    module: nn.Module,
+    plan: dict[str, str] | None,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    fully_shard_dp: bool = True,
+) -> None:
+    """The module-rewriting part of :func:`parallelize`: TP(+SP), then FSDP2 for stage 3.
+
+    Args:
+        module: As in :func:`parallelize`; with pipeline parallelism, this rank's split
+            model (plan entries for modules it does not hold are skipped).
+        plan: As in :func:`parallelize`.
+        dims: The degrees.
+        mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
+        fully_shard_dp: Apply FSDP2 when ``zero_stage == 3`` (False for evaluation).
+    """
+    if dims.tp_enabled:
+        if not plan:
+            raise ValueError(
+                f"tensor_parallel={dims.tensor_parallel} needs a tensor-parallel plan, but"
+                f" {type(module).__name__} declares none (a `tp_plan()` method)."
+            )
+        apply_tensor_parallel(
+            module,
+            plan,
+            mesh["tp"],
+            dims.sequence_parallel,
+            allow_missing=dims.pipeline_parallel > 1,
+        )
+    if dims.fsdp_enabled and fully_shard_dp:
+        _fully_shard(module, mesh["dp"])
+
+
+def check_model_fits(
+    module: Any,
+    dims: ParallelDims,
+    options: PipelineOptions,
+    datamodule: Any = None,
+    strategy_name: str = "HybridParallelStrategy",
+) -> None:
+    """Raise if ``module`` (and the data's ``seq_len`` and ``batch_size``) cannot run on
+    ``dims``; needs no process group, so it runs before any process is launched.
+
+    With tp > 1 or pp > 1 the module must implement
+    :class:`~plugintrain.distributed.ParallelModule`; heads, kv-heads, MLP width and
+    vocabulary must divide by tp, and the sequence length too with sequence parallelism;
+    with pp > 1 the layers must split into pp x vpp stages and the batch into
+    ``microbatches``. Data parallelism alone takes any module.
+    """
+    pp = dims.pipeline_parallel
+    if not (dims.tp_enabled or pp > 1):
+        return
+    needed_by = f"{strategy_name}(tensor_parallel={dims.tensor_parallel}, pipeline_parallel={pp})"
+    check_contract(module, ParallelModule, needed_by)
+    dims.validate_model(module.config, getattr(datamodule, "seq_len", None))
+    if pp > 1:
+        check_pipeline(module.config, dims, options, getattr(datamodule, "batch_size", None))
+
+
+def build_engine(
+    module: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    bucket_size_mb: float = 25.0,
+    overlap_comm: bool = True,
+) -> GradientEngine | None:
+    """Our gradient engine on the ``dp`` group for ZeRO stage 0/1/2; None for stage 3.
+
+    Build it last: ``Module.to()`` re-sets the ``.data`` of DTensor parameters, after which
+    their gradient hooks no longer fire.
+    """
+    if dims.fsdp_enabled:
+        return None
+    return GradientEngine(
+        module.named_parameters(),
+        process_group=mesh["dp"].get_group(),
+        stage=dims.zero_stage,
+        bucket_size_mb=bucket_size_mb,
+        overlap_comm=overlap_comm,
+    )
+
+
+def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+    blocks = [m for name, m in module.named_modules() if _BLOCK.fullmatch(name)]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)  # the rest: embeddings, final norm, (tied) head
+
+
+def tp_replicas(param: Tensor, tp: int) -> int:
+    """How many tp ranks hold the same local piece of ``param``."""
+    if not isinstance(param, DTensor):
+        return tp
+    mesh, placements = param.device_mesh, param.placements
+    names = mesh.mesh_dim_names or ()
+    shards = math.prod(
+        mesh.size(i) for i, p in enumerate(placements) if p.is_shard() and names[i] == "tp"
+    )
+    return tp // shards
+
+
+def hybrid_gradient_layout(
+    parameters: Iterable[Tensor],
+    engine: GradientEngine | None,
+    tensor_parallel: int,
+    stage_replicated: Iterable[Tensor] = (),
+) -> GradientLayout:
+    """The layout of the gradients an optimizer steps, over the whole pp x tp x dp world.
+
+    With the engine, a shard's gradient is replicated over the dp group at stage 0 (once
+    at stage 1/2) and over the tp ranks that hold the same piece of its parameter; FSDP2
+    gradients are DTensors on the 2-D mesh, which the default layout counts directly.
+    Pipeline stages hold different parameters, except ``stage_replicated`` ones (an
+    embedding tied to the head, held by the first and the last stage), counted twice.
+
+    Args:
+        parameters: The parameters an optimizer steps.
+        engine: The gradient engine (ZeRO stage 0/1/2), or None (FSDP2).
+        tensor_parallel: The tp degree.
+        stage_replicated: Model parameters held by two pipeline stages.
+    """
+    if engine is None:
+        return default_gradient_layout(parameters)
+    params = [p for p in parameters if p.grad is not None]
+    local = engine.gradient_layout(params)
+    twice = {id(p) for p in stage_replicated}
+    pieces = []
+    for piece, p in zip(local.pieces, params, strict=True):
+        param = engine.parameter_of(p)
+        stages = 2 if id(param) in twice else 1
+        pieces.append(
+            GradientPiece(piece.grad, piece.replicas * tp_replicas(param, tensor_parallel) * stages)
+        )
+    return GradientLayout(group=dist.group.WORLD, pieces=pieces, device=local.device)

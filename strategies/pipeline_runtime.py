@@ -1,0 +1,172 @@
+"""The pipeline runtime: what a strategy holds, and delegates its steps to, when pp > 1.
+
+With pipeline parallelism the strategy owns the training step instead of Lightning's
+automatic loop calling ``LightningModule.training_step``. :class:`PipelineRuntime` does
+that job: it cuts each batch into micro-batches, runs the schedule with the
+:class:`~plugintrain.strategies.pipeline.PipelineExecutor` inside the precision plugin's
+autocast (FP16 loss scaling on the last stage), broadcasts the loss from the last stage
+so every rank logs it through the module's ``record_loss``, runs validation and test as
+forward-only schedules, and, once the schedule is done, sums tied parameters' gradients
+across stages and reduces all gradients over dp in one go.
+
+A strategy holds ``None`` (no pipeline) or one runtime; the runtime needs only the
+:class:`~plugintrain.distributed.ParallelModule` contract of the module.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import loss_parallel
+
+from plugintrain.distributed import ModelShape, ParallelModule, StagedModel, check_contract
+from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.pipeline import (
+    PipelineExecutor,
+    PipelineOptions,
+    VirtualStage,
+    check_layers,
+    split_model,
+)
+from plugintrain.strategies.tied import TiedParameters
+
+
+def check_pipeline(
+    config: ModelShape, dims: ParallelDims, options: PipelineOptions, batch_size: Any = None
+) -> None:
+    """Raise unless the model's layers split into pp x vpp stages and ``batch_size`` (the
+    per-rank batch, when known) into ``options.microbatches`` equal micro-batches."""
+    check_layers(
+        config.n_layer,
+        dims.pipeline_parallel,
+        dims.virtual_pipeline_parallel,
+        options.layers_per_stage,
+    )
+    if isinstance(batch_size, int) and batch_size % options.microbatches:
+        raise ValueError(
+            f"The per-rank batch_size={batch_size} does not split into microbatches="
+            f"{options.microbatches} equal micro-batches; choose a batch size that is a"
+            f" multiple of {options.microbatches}, or other microbatches."
+        )
+
+
+def split_stages(
+    module: ParallelModule, dims: ParallelDims, options: PipelineOptions, mesh: DeviceMesh
+) -> list[VirtualStage]:
+    """Cut ``module.model`` down to this pipeline rank's virtual stages, in place."""
+    check_contract(module.model, StagedModel, f"pipeline_parallel={dims.pipeline_parallel}")
+    return split_model(
+        module.model,
+        mesh["pp"].get_local_rank(),
+        dims.pipeline_parallel,
+        dims.virtual_pipeline_parallel,
+        options.layers_per_stage,
+    )
+
+
+class PipelineRuntime:
+    """Runs one pipeline rank's schedules for a strategy.
+
+    Args:
+        module: The LightningModule, already split into ``stages`` (and sharded by tp).
+        stages: This rank's virtual stages, from :func:`split_stages`.
+        dims: The layout.
+        options: Schedule, micro-batches, wire dtype.
+        mesh: The ``("pp", "dp", "tp")`` mesh.
+        precision_plugin: Its ``forward_context`` wraps each forward; its ``loss_scaler``
+            (FP16) scales the loss on the last stage.
+        global_rank: This process's rank.
+    """
+
+    def __init__(
+        self,
+        module: ParallelModule,
+        stages: list[VirtualStage],
+        dims: ParallelDims,
+        options: PipelineOptions,
+        mesh: DeviceMesh,
+        precision_plugin: Precision,
+        global_rank: int,
+    ) -> None:
+        self.module = module
+        self.microbatches = options.microbatches
+        self.precision_plugin = precision_plugin
+        self.tied = TiedParameters.of(module)
+        self.tied.join_stages(module, mesh, global_rank)
+        self.executor = PipelineExecutor(
+            stages,
+            options.schedule,
+            dims.pipeline_parallel,
+            dims.virtual_pipeline_parallel,
+            options.microbatches,
+            rank=mesh["pp"].get_local_rank(),
+            group=mesh["pp"].get_group(),
+            # Late-bound: under tp the strategy has wrapped the module's loss_fn.
+            loss_fn=lambda logits, targets: module.loss_fn(logits, targets),
+            hidden_size=module.config.n_embd,
+            seq_divisor=dims.tensor_parallel if dims.sequence_parallel else 1,
+            wire_dtype=options.wire_dtype,
+            forward_context=precision_plugin.forward_context,
+            backward_context=loss_parallel if dims.tp_enabled else nullcontext,
+        )
+
+    def training_step(self, batch: Any, engine: GradientEngine, accumulate: int) -> Tensor:
+        """Forward and backward of every micro-batch of ``batch``; returns the batch loss.
+
+        Gradients accumulate in ``engine``'s buffers, unreduced until :meth:`finish_gradients`.
+
+        Args:
+            batch: ``(x, y)``, this rank's whole batch.
+            engine: The data-parallel gradient engine.
+            accumulate: Lightning's ``accumulate_grad_batches`` (scales each loss).
+        """
+        inputs, targets = _microbatches(batch, self.microbatches)
+        scaler = getattr(self.precision_plugin, "loss_scaler", None)
+        with engine.no_sync():
+            loss = self.executor.train_step(
+                inputs,
+                targets,
+                loss_scale=1.0 / (self.microbatches * accumulate),
+                scale_loss=scaler.scale_loss if scaler is not None else None,
+            )
+        loss = self._broadcast_loss(loss, batch[0].device)
+        self.module.record_loss("train", loss, batch)
+        return loss
+
+    def evaluate(self, stage: str, batch: Any) -> None:
+        """A forward-only schedule over ``batch``; logs the loss for ``stage``."""
+        count = math.gcd(batch[0].size(0), self.microbatches)
+        inputs, targets = _microbatches(batch, count)
+        loss = self._broadcast_loss(self.executor.eval_step(inputs, targets), batch[0].device)
+        self.module.record_loss(stage, loss, batch)
+
+    def finish_gradients(self, engine: GradientEngine) -> None:
+        """Sum tied weights' gradients over the first and last stage, then reduce over dp."""
+        self.tied.sum_gradients(engine)
+        engine.finish_grad_sync()
+
+    def _broadcast_loss(self, loss: Tensor | None, device: torch.device) -> Tensor:
+        """The last stage's loss on every rank of the pipeline (zeros stand in elsewhere)."""
+        value = loss if loss is not None else torch.zeros((), device=device)
+        value = value.detach().float().contiguous()
+        executor = self.executor
+        dist.broadcast(value, src=executor.last_rank_global, group=executor.group)
+        return value
+
+
+def _microbatches(batch: Any, count: int) -> tuple[list[Tensor], list[Tensor]]:
+    x, y = batch
+    if x.size(0) % count:
+        raise ValueError(
+            f"A batch of {x.size(0)} sequences does not split into microbatches={count};"
+            f" use a batch size that is a multiple of {count}."
+        )
+    return list(x.chunk(count)), list(y.chunk(count))
