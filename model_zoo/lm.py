@@ -116,6 +116,22 @@ class CausalLM(L.LightningModule):
             return
         self.model = Transformer(self.config)
 
+    @property
+    def init_seed(self) -> int:
+        """The seed the transformer's weights derive from (after ``configure_model``)."""
+        assert self.model is not None
+        return self.model.init_seed
+
+    @init_seed.setter
+    def init_seed(self, seed: int) -> None:
+        assert self.model is not None
+        self.model.init_seed = seed
+
+    def init_weights(self) -> None:
+        """Initialize the weights this rank holds (see :meth:`Transformer.init_weights`)."""
+        assert self.model is not None
+        self.model.init_weights()
+
     def tp_plan(self) -> dict[str, str]:
         """The family's tensor-parallel plan, keyed by paths under this module (``model.*``)."""
         plan = _TP_PLANS[self.config.family]()

@@ -14,6 +14,7 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import nn
 
+from plugintrain.initialization import draw_seed, seeded_normal_
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.layers import (
     Attention,
@@ -54,7 +55,9 @@ class Transformer(nn.Module):
 
     Construct under ``torch.device("meta")`` for large models, then ``to_empty(device=...)``
     and :meth:`init_weights`. Off the meta device the constructor initializes the weights
-    itself, so seeding before construction gives reproducible weights.
+    itself. Either way the weights derive from :attr:`init_seed`, drawn from the global
+    generator first thing (construction itself consumes no other random numbers), so
+    seeding before construction gives the same weights on every device and layout.
 
     Args:
         config: Model architecture.
@@ -63,6 +66,16 @@ class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
+        self.init_seed = draw_seed()
+        """What every weight's values derive from (see :meth:`init_weights`)."""
+        # Submodules' own default inits would advance the global generator on CPU but not
+        # on meta; init_weights overwrites them anyway.
+        with torch.random.fork_rng(devices=[]):
+            self._build(config)
+        if self.output.weight.device.type != "meta":
+            self.init_weights()
+
+    def _build(self, config: TransformerConfig) -> None:
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos_embeddings = (
             nn.Embedding(config.block_size, config.n_embd) if config.position == "learned" else None
@@ -79,30 +92,33 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", None, persistent=False)
         if config.position == "rope":
             self.rope_cos, self.rope_sin = rope_cache(config)
-        if self.output.weight.device.type != "meta":
-            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialize every weight and rebuild the RoPE buffers in place.
+        """(Re)initialize every weight this module holds and rebuild the RoPE buffers, in place.
 
         Normal(0, ``init_std``) for embeddings and Linear weights, scaled by
         ``1 / sqrt(2 * n_layer)`` for the projections that write into the residual stream
-        (``wo``, ``w2``; GPT-2 paper, section 2.3), zero biases, unit norm weights.
+        (``wo``, ``w2``; GPT-2 paper, section 2.3), zero biases, unit norm weights. Normal
+        values come from :func:`~plugintrain.initialization.seeded_normal_` keyed by each
+        parameter's full-model name (a tied head by the embedding's), so a pipeline stage
+        or a tensor-parallel / FSDP2 shard initialized on its own holds exactly its part
+        of the one-process weights.
         """
         self._tie_embeddings()  # to_empty() replaces each parameter on its own, untying them
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual = name.endswith((".wo", ".w2"))
-                nn.init.normal_(module.weight, std=residual_std if is_residual else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
+        canonical = {b: a for a, b in self.tied_parameters()}
+        for module_name, module in self.named_modules():
+            for name, param in module.named_parameters(prefix=module_name, recurse=False):
+                if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and name.endswith("weight"):
+                    nn.init.ones_(param)
+                elif name.endswith("bias"):
+                    nn.init.zeros_(param)
+                else:
+                    is_residual = module_name.endswith((".wo", ".w2"))
+                    key = canonical.get(name, name)
+                    seeded_normal_(param, residual_std if is_residual else std, self.init_seed, key)
         if self.rope_cos is not None:
             self.rope_cos, self.rope_sin = rope_cache(self.config, device=self.rope_cos.device)
 

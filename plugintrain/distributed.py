@@ -169,6 +169,26 @@ class ParallelModule(Protocol):
         ...
 
 
+@runtime_checkable
+class ShardFirstModule(Protocol):
+    """A :class:`ParallelModule` that can be built on the meta device.
+
+    Given these, ``hybrid`` and ``pipeline`` build its model on the meta device, split the
+    pipeline stages and shard it (tp, FSDP2) there, then allocate only this rank's part
+    and call :meth:`init_weights`: no rank ever holds the whole model. Without them, every
+    rank builds the whole model and keeps its part.
+    """
+
+    init_seed: int
+    """What the weights derive from; strategies give every rank global rank 0's."""
+
+    def init_weights(self) -> None:
+        """Initialize, in place, every parameter and buffer this rank holds (a DTensor's
+        local shard only) to its part of the weights one process would build from
+        ``init_seed`` (see :func:`plugintrain.initialization.seeded_normal_`)."""
+        ...
+
+
 def contract_members(protocol: type) -> list[str]:
     """The attributes and methods that ``protocol`` declares, in declaration order."""
     names = list(getattr(protocol, "__annotations__", {}))

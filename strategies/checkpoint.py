@@ -1,16 +1,27 @@
-"""Checkpoint layout of the engine-backed model-parallel strategies (DCP directories).
+"""Checkpoints of the engine-backed strategies: DCP directories written shard by shard.
 
-Model weights are saved by Lightning's ``ModelParallelStrategy`` as a
-torch.distributed.checkpoint (DCP) directory keyed by full-model parameter names, so they
-reload under any pp x tp x dp layout. This module owns what the gradient engine adds:
+Model weights and optimizer state are saved with torch.distributed.checkpoint (DCP) under
+full-model parameter names, so they reload under any dp x tp x pp (x vpp) layout and ZeRO
+stage, and in one process. Nothing is gathered to one rank:
 
-- **Optimizer state, saved.** With ``tensor_parallel == 1`` each parameter's whole state
-  (gathered over dp by the engine) is saved under its name, so any pp x dp layout and
-  ZeRO stage can read it; with tp > 1 each rank saves its own shard's state as a byte
-  stream (same layout to resume).
-- **Optimizer state, loaded.** Templates of what this rank reads (its parameters' tensors
-  by name, found under the name or a tied alias, shaped from the checkpoint's metadata;
-  the param groups' hyperparameters), then keyed back by this optimizer's own names.
+- **Saved.** Each rank writes, for each parameter its optimizer steps, the flat range it
+  owns (its ZeRO shard of its tp shard) as the few boxes of the parameter-shaped tensor
+  that the range covers (:class:`ShardBoxes`, from
+  :func:`plugintrain.tensor_boxes.flat_boxes`). DCP records them as chunks of one tensor
+  per state key (``optimizer_0.state.<name>.exp_avg``), exactly as it records a DTensor's
+  shards. ZeRO-0 replicas write identical chunks, which DCP keeps once.
+- **Loaded.** Each rank asks for the boxes of the ranges it owns under the new layout;
+  DCP's planner reads the overlapping parts of whatever chunks the saving layout wrote
+  (resharding). A tied head's state is found under either name of the pair.
+- **Memory.** The boxes are views of the optimizer's own flat state tensors (on load, of
+  the tensors that become its state). A save writes one file per chunk, so DCP's writer
+  (which copies a view before writing it and keeps what it wrote until the file closes)
+  holds at most two chunks; a load reads one chunk at a time
+  (:class:`ChunkByChunkReader`). A chunk is at most one parameter (or one rank's range of
+  it), so a save or load adds at most one gradient bucket to the peak.
+- **Older checkpoints.** Whole tensors (tp == 1) are single chunks and load the same way;
+  the per-rank byte streams that tp > 1 runs wrote before load under the layout that
+  saved them.
 
 The parsing of DCP's flattened keys (``optimizer_0.state.<name>.exp_avg``,
 ``optimizer_0.param_groups.<i>.lr``) lives only here.
@@ -18,65 +29,242 @@ The parsing of DCP's flattened keys (``optimizer_0.state.<name>.exp_avg``,
 
 from __future__ import annotations
 
+import dataclasses
 import io
-from dataclasses import dataclass
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.futures import Future
 from torch.optim import Optimizer
 
-from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.grad_engine import GradientEngine, is_elementwise
 from plugintrain.strategies.tied import TiedParameters
+from plugintrain.tensor_boxes import flat_boxes, local_box
 
 # DCP's metadata is a flat dict of dotted keys; everything this module reads from it.
 SavedMetadata = dict[str, Any]
 
 
-@dataclass
+@dataclasses.dataclass
+class ShardBoxes:
+    """A parameter-shaped tensor of which this rank holds some boxes, as DCP chunks.
+
+    Implements DCP's checkpointable protocol (``__create_write_items__``,
+    ``__create_chunk_list__``, ``__get_tensor_shard__``, as DTensor does); the planners
+    below resolve its chunks.
+
+    Attributes:
+        shape: The whole tensor's shape (the parameter's).
+        boxes: ``(offsets in the whole tensor, tensor of the box's shape)`` pairs.
+    """
+
+    shape: torch.Size
+    boxes: list[tuple[torch.Size, Tensor]]
+
+    @classmethod
+    def of_range(cls, param: Tensor, start: int, flat: Tensor) -> ShardBoxes:
+        """``flat`` (a 1-D tensor) laid over elements ``[start, start + flat.numel())`` of
+        ``param``'s local tensor (its tp shard, placed in the whole parameter)."""
+        _, (origin, local_shape) = local_box(param)
+        boxes, position = [], 0
+        for offsets, sizes in flat_boxes(local_shape, start, flat.numel()):
+            numel = math.prod(sizes)
+            where = torch.Size(o + g for o, g in zip(offsets, origin, strict=True))
+            boxes.append((where, flat[position : position + numel].view(sizes)))
+            position += numel
+        return cls(torch.Size(param.shape), boxes)
+
+    def size(self) -> torch.Size:
+        """The whole tensor's shape (DCP checks it against the saved one on load)."""
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=box.size()),
+                    properties=TensorProperties.create_from_tensor(box),
+                    size=self.shape,
+                ),
+            )
+            for offsets, box in self.boxes
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=o, sizes=box.size()) for o, box in self.boxes]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
+        for offsets, box in self.boxes:
+            if offsets == index.offset:
+                return box
+        raise ValueError(f"No box at {index.offset} of {index.fqn}.")
+
+
+class ShardSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, resolving :class:`ShardBoxes` chunks too."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict.get(index.fqn)
+        if isinstance(value, ShardBoxes):
+            return value.__get_tensor_shard__(index)
+        return super().lookup_object(index)
+
+
+class ShardLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, resolving :class:`ShardBoxes` chunks and reading the
+    non-tensor entries (hyperparameters) without unpickling code."""
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
+        # DCP's set-up rebuilds the dict and drops types it does not know: set the boxes
+        # aside and put them back under their flattened keys.
+        boxes: dict[tuple[str, ...], ShardBoxes] = {}
+        _take_boxes(state_dict, (), boxes)
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        assert self.flatten_state_dict
+        for path, value in boxes.items():
+            set_element(self.original_state_dict, path, value)
+            self.state_dict[".".join(path)] = value
+
+    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
+        value = self.state_dict.get(index.fqn)
+        if isinstance(value, ShardBoxes):
+            return value.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        # Older checkpoints hold per-rank byte streams: a BytesIO rebuilds from its bytes.
+        with torch.serialization.safe_globals([io.BytesIO]):
+            loaded = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+class ChunkByChunkReader(FileSystemReader):
+    """DCP's file reader, handed one read at a time: the stock loop keeps the chunk it
+    read last alive while it reads the next, so two saved chunks would meet in memory."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
+def _take_boxes(
+    state: dict[str, Any], path: tuple[str, ...], taken: dict[tuple[str, ...], ShardBoxes]
+) -> None:
+    """Move every :class:`ShardBoxes` of the nested dict ``state`` into ``taken`` (by path),
+    leaving ``None`` in its place."""
+    for key, value in state.items():
+        if isinstance(value, dict):
+            _take_boxes(value, (*path, str(key)), taken)
+        elif isinstance(value, ShardBoxes):
+            taken[(*path, str(key))] = value
+            state[key] = None
+
+
+def save_directory(checkpoint: dict[str, Any], path: Path, write_metadata: bool) -> None:
+    """Write Lightning's ``checkpoint`` dict as a DCP directory at ``path``.
+
+    Model and optimizer tensors go shard by shard from every rank (the optimizer states are
+    :meth:`EngineCheckpoint.optimizer_state`'s); the rest (loops, callbacks,
+    hyperparameters) goes to the metadata file, written by the rank with
+    ``write_metadata``. Every rank calls this.
+    """
+    if path.is_file():
+        path.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    state = {"state_dict": checkpoint.pop("state_dict")}
+    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[f"optimizer_{i}"] = optimizer_state
+    # One file per chunk: DCP's writer keeps every tensor it wrote to a file (and the copy
+    # it makes of a view, such as a parameter inside a gradient bucket) until that file is
+    # closed, so one file per rank would hold this rank's whole share in memory.
+    writer = FileSystemWriter(path, single_file_per_rank=False)
+    dcp.save(state, storage_writer=writer, planner=ShardSavePlanner())
+    if write_metadata:
+        torch.save(checkpoint, path / _METADATA_FILENAME)
+
+
+def load_weights(path: Path, model: nn.Module, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load only the model weights of the DCP directory ``path`` (evaluation, where no
+    optimizer exists); returns the rest of the checkpoint from its metadata file."""
+    _load_into(model, {"state_dict": get_model_state_dict(model)}, path)
+    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def _load_into(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+    """Fill ``state`` (the model's state dict under ``"state_dict"``, optimizer templates)
+    from ``path``, one chunk at a time, and load the weights into ``model``."""
+    dcp.load(state, storage_reader=ChunkByChunkReader(path), planner=ShardLoadPlanner())
+    model.load_state_dict(state["state_dict"])
+
+
+@dataclasses.dataclass
 class EngineCheckpoint:
-    """Saves and loads optimizer state of a gradient engine in DCP directories.
+    """Saves and loads a gradient engine's optimizer state in DCP directories, per rank.
 
     Args:
         engine: The data-parallel gradient engine the optimizers are attached to.
         tied: Tied parameters (a tied head's state is found under the embedding's name).
-        tensor_parallel: The tp degree (> 1: per-rank optimizer shards).
-        rank: This process's global rank.
-        world_size: The number of processes.
     """
 
     engine: GradientEngine
-    tied: TiedParameters
-    tensor_parallel: int
-    rank: int
-    world_size: int
-
-    @property
-    def shard_key(self) -> str:
-        """The key of this rank's optimizer shard in a tp > 1 checkpoint."""
-        return f"rank{self.rank}_of{self.world_size}"
+    tied: TiedParameters = dataclasses.field(default_factory=TiedParameters)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """What DCP saves for ``optimizer`` (every rank calls this)."""
-        if self.tensor_parallel == 1:
-            # Whole tensors keyed by parameter name, gathered to each dp group's rank 0:
-            # DCP stores each name once, so any pp x dp layout (and ZeRO stage) can read it.
-            full = self.engine.optimizer_state_dict(optimizer)
-            groups = [
-                {**{k: v for k, v in group.items() if k != "params"}, "params": []}
-                for group in optimizer.param_groups
-            ]
-            return {"state": full.get("state", {}), "param_groups": groups}
-        # Each rank saves its own shard's state; DCP stores it as an opaque byte stream.
-        buffer = io.BytesIO()
-        torch.save(optimizer.state_dict(), buffer)
-        buffer.seek(0)
-        return {self.shard_key: buffer}
+        """This rank's share of ``optimizer``'s state for DCP: elementwise values as the
+        boxes of the ranges it owns, scalars (``step``) as they are, and the groups'
+        hyperparameters. Communicates nothing."""
+        state = {}
+        for owned in self.engine.owned_slices(optimizer):
+            numel = owned.shard.numel()
+            state[owned.name] = {
+                key: ShardBoxes.of_range(owned.param, owned.start, value.reshape(-1))
+                if is_elementwise(value, numel)
+                else value
+                for key, value in optimizer.state.get(owned.shard, {}).items()
+            }
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": []}
+            for group in optimizer.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
 
     def load(
         self,
@@ -92,55 +280,69 @@ class EngineCheckpoint:
         """
         saved = FileSystemReader(path).read_metadata().state_dict_metadata
         state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        shard_states = []
         for i, optimizer in enumerate(optimizers):
-            state[f"optimizer_{i}"] = self._template(f"optimizer_{i}.", optimizer, saved)
-        dcp.load(state, checkpoint_id=path)
-        model.load_state_dict(state["state_dict"])
-        for i, optimizer in enumerate(optimizers):
-            self._restore(optimizer, state[f"optimizer_{i}"])
+            state[f"optimizer_{i}"], targets = self._template(f"optimizer_{i}.", optimizer, saved)
+            shard_states.append(targets)
+        _load_into(model, state, path)
+        for i, (optimizer, targets) in enumerate(zip(optimizers, shard_states, strict=True)):
+            loaded = state[f"optimizer_{i}"]
+            if self._shard_key in loaded:  # an older per-rank byte stream
+                buffer = loaded[self._shard_key]
+                buffer.seek(0)
+                optimizer.load_state_dict(torch.load(buffer, weights_only=True))
+            else:
+                self.engine.load_shard_states(optimizer, targets, loaded["param_groups"])
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
-    def _template(self, prefix: str, optimizer: Optimizer, saved: SavedMetadata) -> dict[str, Any]:
-        """What this rank reads of one optimizer: its own parameters' tensors by name
-        (under any layout), or its own byte-stream shard (a tp > 1 checkpoint)."""
+    @property
+    def _shard_key(self) -> str:
+        """Where tp > 1 checkpoints written before sharded saves kept this rank's state."""
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        return f"rank{rank}_of{world}"
+
+    def _template(
+        self, prefix: str, optimizer: Optimizer, saved: SavedMetadata
+    ) -> tuple[dict[str, Any], dict[Tensor, dict[str, Tensor]]]:
+        """What this rank reads of one optimizer (DCP fills it in place), and the same
+        tensors keyed by the shard parameters they become the state of."""
         groups = _saved_groups(saved, prefix + "param_groups.")
         if not groups:
-            if prefix + self.shard_key not in saved:
+            if prefix + self._shard_key not in saved:
                 raise ValueError(
                     f"The checkpoint's optimizer state was saved per rank by a layout with"
-                    f" tensor_parallel > 1 and has no shard for rank {self.rank} of"
-                    f" {self.world_size}; resume it with the layout that saved it."
+                    f" tensor_parallel > 1 and has no entry {self._shard_key!r} for this rank;"
+                    " resume it with the layout that saved it."
                 )
-            return {self.shard_key: io.BytesIO()}
-        state: dict[str, dict[str, Tensor]] = {}
-        for name in self.engine.parameter_names(optimizer):
-            for candidate in (name, *self.tied.aliases(name)):
-                keys = _state_keys(saved, f"{prefix}state.{candidate}.")
-                if keys:
-                    state[candidate] = {
-                        key: torch.empty(meta.size, dtype=meta.properties.dtype)
-                        for key, meta in keys.items()
-                    }
-                    break
+            return {self._shard_key: None}, {}
+        state: dict[str, dict[str, Any]] = {}
+        targets: dict[Tensor, dict[str, Tensor]] = {}
+        for owned in self.engine.owned_slices(optimizer):
+            name, keys = self._saved_state(saved, prefix, owned.name)
+            shard = owned.shard
+            state[name], targets[shard] = {}, {}
+            for key, meta in keys.items():
+                dtype = meta.properties.dtype
+                if tuple(meta.size) == tuple(owned.param.shape) and len(meta.size) > 0:
+                    flat = torch.empty(shard.numel(), dtype=dtype, device=shard.device)
+                    state[name][key] = ShardBoxes.of_range(owned.param, owned.start, flat)
+                else:
+                    flat = torch.empty(meta.size, dtype=dtype)
+                    state[name][key] = flat
+                targets[shard][key] = flat
         # DCP stores each group's hyperparameters as one entry per key; None is a slot.
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": groups}, targets
 
-    def _restore(self, optimizer: Optimizer, loaded: dict[str, Any]) -> None:
-        if "state" not in loaded:
-            buffer = loaded[self.shard_key]
-            buffer.seek(0)
-            optimizer.load_state_dict(torch.load(buffer, weights_only=True))
-            return
-        # Key the loaded state by this optimizer's names (a tied head saved as the other).
-        names = set(self.engine.parameter_names(optimizer))
-
-        def own(name: str) -> str:
-            return name if name in names else next(a for a in self.tied.aliases(name) if a in names)
-
-        state = {own(name): values for name, values in loaded["state"].items()}
-        self.engine.load_optimizer_state_dict(
-            optimizer, {"state": state, "param_groups": loaded["param_groups"]}
-        )
+    def _saved_state(
+        self, saved: SavedMetadata, prefix: str, name: str
+    ) -> tuple[str, dict[str, TensorStorageMetadata]]:
+        """The name under which ``name``'s state was saved (itself or a tied alias) and its
+        tensor entries (none if the parameter had no state yet)."""
+        for candidate in (name, *self.tied.aliases(name)):
+            keys = _state_keys(saved, f"{prefix}state.{candidate}.")
+            if keys:
+                return candidate, keys
+        return name, {}
 
 
 def _saved_groups(saved: SavedMetadata, prefix: str) -> list[dict[str, None]]:
@@ -153,10 +355,12 @@ def _saved_groups(saved: SavedMetadata, prefix: str) -> list[dict[str, None]]:
     return [groups[i] for i in sorted(groups)]
 
 
-def _state_keys(saved: SavedMetadata, prefix: str) -> dict[str, Any]:
+def _state_keys(saved: SavedMetadata, prefix: str) -> dict[str, TensorStorageMetadata]:
     """Saved tensor entries directly under ``prefix`` (``exp_avg``, ``step``, ...)."""
     return {
         key[len(prefix) :]: meta
         for key, meta in saved.items()
-        if key.startswith(prefix) and "." not in key[len(prefix) :] and hasattr(meta, "size")
+        if key.startswith(prefix)
+        and "." not in key[len(prefix) :]
+        and isinstance(meta, TensorStorageMetadata)
     }

@@ -3,23 +3,27 @@
 The engine knows nothing of Lightning; each strategy that drives it (``ZeroStrategy`` /
 ``ParameterServerStrategy`` and ``HybridParallelStrategy``) holds one
 :class:`EngineBinding` and forwards its hooks to it: attaching the optimizers, skipping
-the reduction under gradient accumulation (``no_sync``), saving and loading the full
-optimizer state by parameter name, refusing clipping that would see only a shard, and
-removing the hooks at teardown. Neither strategy imports the other.
+the reduction under gradient accumulation (``no_sync``), saving and loading checkpoints
+shard by shard (:mod:`~plugintrain.strategies.checkpoint`), refusing clipping that would
+see only a shard, and removing the hooks at teardown. Neither strategy imports the other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
+from torch import nn
 from torch.optim import Optimizer
 
+from plugintrain.strategies.checkpoint import EngineCheckpoint, save_directory
 from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.tied import TiedParameters
 
 
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
@@ -37,6 +41,7 @@ class EngineBinding:
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._engine: GradientEngine | None = None
+        self._checkpoint: EngineCheckpoint | None = None
         self.accumulating = False
         """Whether a backward under Lightning's gradient accumulation is running."""
 
@@ -63,9 +68,10 @@ class EngineBinding:
                 " `plugins=[plugintrain.precision_plugins.FP32Precision()]`."
             )
 
-    def install(self, engine: GradientEngine | None) -> None:
-        """Drive ``engine`` from now on (None: no engine, e.g. FSDP2 reduces instead)."""
+    def install(self, engine: GradientEngine, tied: TiedParameters | None = None) -> None:
+        """Drive ``engine`` from now on; ``tied`` names the parameters tied across stages."""
         self._engine = engine
+        self._checkpoint = EngineCheckpoint(engine, tied or TiedParameters())
 
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
         """Hand the engine every optimizer (re-pointed at this rank's shards), if installed."""
@@ -87,21 +93,40 @@ class EngineBinding:
             self.accumulating = previous
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state keyed by parameter name on dp rank 0 (``{}`` elsewhere)."""
-        return self.engine.optimizer_state_dict(unwrap_optimizer(optimizer))
+        """This rank's share of ``optimizer``'s state, for a sharded (DCP) checkpoint."""
+        assert self._checkpoint is not None, "no engine installed"
+        return self._checkpoint.optimizer_state(unwrap_optimizer(optimizer))
+
+    @staticmethod
+    def save(checkpoint: dict[str, Any], path: Path, write_metadata: bool) -> None:
+        """Write Lightning's checkpoint dict as a DCP directory, every rank its shards."""
+        save_directory(checkpoint, path, write_metadata)
+
+    def load(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizers: Iterable[Optimizer],
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load weights and optimizer shards from the DCP directory ``path`` (any layout);
+        returns the rest of the checkpoint."""
+        assert self._checkpoint is not None, "no engine installed"
+        optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
+        return self._checkpoint.load(path, model, optimizers, weights_only)
 
     def load_optimizer_states(
         self, optimizers: Iterable[Optimizer], states: Iterable[Mapping[str, Any]]
     ) -> None:
-        """Load full states (from any rank count, or a plain optimizer), keeping this rank's
-        slices."""
+        """Load whole states (a single-file checkpoint from any rank count, or a plain
+        optimizer's), keeping this rank's slices."""
         for optimizer, state in zip(optimizers, states, strict=True):
             self.engine.load_optimizer_state_dict(unwrap_optimizer(optimizer), dict(state))
 
     def teardown(self) -> None:
         """Remove the engine's hooks.
 
-        The engine itself stays, so ``trainer.save_checkpoint`` after ``fit`` still gathers
+        The engine itself stays, so ``trainer.save_checkpoint`` after ``fit`` still saves
         the optimizer shards it owns.
         """
         if self._engine is not None:

@@ -25,6 +25,7 @@ strategy can run it on the ``dp`` sub-mesh's group.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +47,12 @@ STAGES: Final[tuple[Stage, ...]] = (0, 1, 2, PARAMETER_SERVER)
 
 # Optimizers whose update of an element reads only that element's gradient and state, so
 # stepping slices on different ranks equals stepping the whole tensor on one.
+# ZeRO-2 completes a bucket's reduce-scatter (and frees its full gradients) before it
+# starts the next one's, so during backward a rank holds its 1/N shard plus two full
+# buckets: the one on the network and the one filling. The earlier reduce-scatter had the
+# whole time of filling the next bucket to finish, so backward rarely waits.
+MAX_FULL_BUCKETS_IN_FLIGHT: Final = 1
+
 ELEMENTWISE_OPTIMIZERS: set[type[Optimizer]] = {
     torch.optim.SGD,
     torch.optim.Adam,
@@ -165,9 +172,16 @@ class _Bucket:
     entries: list[_BucketEntry] = field(default_factory=list)
     grads: Tensor | None = None
     shard_grads: Tensor | None = None
+    """Stage 2: the owned slice of the reduced gradient, summed over the step's passes."""
+    shard_fresh: bool = True
+    """Stage 2: nothing has been reduced into ``shard_grads`` in this step yet."""
+    shard_pending: Tensor | None = None
+    """Stage 2: a later pass's reduce-scatter output, added to ``shard_grads`` when done."""
     stale: bool = False
     grads_arrived: int = 0
     """How many of the bucket's parameters got their gradient in this backward pass."""
+    launched: bool = False
+    """Whether this pass's collective has been started."""
     work: dist.Work | None = None
 
     def grad_buffer(self) -> Tensor:
@@ -183,7 +197,7 @@ class _Bucket:
         return self.grads
 
 
-def _is_elementwise(value: Any, numel: int) -> bool:
+def is_elementwise(value: Any, numel: int) -> bool:
     """Whether optimizer state ``value`` has one element per parameter element (``exp_avg``),
     as opposed to a scalar such as ``step``: only the former is sliced between ranks."""
     return torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel
@@ -202,7 +216,7 @@ class _StateMeta:
         """Describe ``values``, the state of a shard of ``numel`` elements."""
         meta = cls()
         for key, value in values.items():
-            if _is_elementwise(value, numel):
+            if is_elementwise(value, numel):
                 meta.sharded.add((key, value.dtype))
             else:
                 meta.scalars[key] = value
@@ -225,6 +239,16 @@ class _AllReduce:
     def frees_grads(self) -> bool:
         """Whether the full gradient buffer is dropped once reduced."""
         return False
+
+    @property
+    def reduces_each_pass(self) -> bool:
+        """Whether gradient accumulation communicates on every backward pass (ZeRO-2: the
+        full gradients of a pass are reduce-scattered into the shard and freed, as in
+        DeepSpeed) instead of accumulating whole gradients locally until the last pass."""
+        return False
+
+    def after_reduce(self, bucket: _Bucket) -> None:
+        """Runs once the bucket's collective has completed."""
 
     def owned(self, numel: int) -> tuple[int, int]:
         return 0, numel
@@ -271,12 +295,26 @@ class _ShardedGradients(_ShardedOptimizer):
     def frees_grads(self) -> bool:
         return True
 
+    @property
+    def reduces_each_pass(self) -> bool:
+        return True
+
     def reduce(self, bucket: _Bucket) -> dist.Work:
         assert bucket.shard_grads is not None
-        grads = bucket.grad_buffer()
+        if bucket.shard_fresh:  # the step's first pass writes the shard directly
+            out, bucket.shard_fresh = bucket.shard_grads, False
+        else:
+            out = bucket.shard_pending = torch.empty_like(bucket.shard_grads)
         return dist.reduce_scatter_single(
-            bucket.shard_grads, grads, group=self.group, async_op=True
+            out, bucket.grad_buffer(), group=self.group, async_op=True
         )
+
+    def after_reduce(self, bucket: _Bucket) -> None:
+        assert bucket.shard_grads is not None
+        if bucket.shard_pending is not None:
+            bucket.shard_grads.add_(bucket.shard_pending)
+            bucket.shard_pending = None
+        bucket.grads = None  # the pass's full gradients now live in the shard
 
     def reduced_grads(self, bucket: _Bucket) -> Tensor:
         assert bucket.shard_grads is not None
@@ -314,16 +352,19 @@ def _pack_bucket(named: list[tuple[str, Tensor]], scheme: _AllReduce) -> _Bucket
     """Move the parameters' data into one flat buffer (the ``Parameter`` objects stay, their
     ``.data`` becomes a view) and make this rank's shard parameters of the owned range."""
     numel = sum(_local(param).numel() for _, param in named)
-    first = named[0][1]
-    flat = torch.zeros(
-        padded_numel(numel, scheme.world_size), dtype=first.dtype, device=first.device
-    )
+    first = _local(named[0][1])
+    padded = padded_numel(numel, scheme.world_size)
+    if len(named) == 1 and padded == numel and first.is_contiguous():
+        flat = first.detach().view(-1)  # adopt its storage: no second copy of a big tensor
+    else:
+        flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
     bucket = _Bucket(params=flat, owned=scheme.owned(flat.numel()))
     offset = 0
     for name, param in named:
         local = _local(param)
         view = flat[offset : offset + local.numel()]
-        view.copy_(local.detach().reshape(-1))
+        if view.data_ptr() != local.data_ptr():
+            view.copy_(local.detach().reshape(-1))
         local.data = view.view_as(local)
         bucket.entries.append(_make_entry(name, param, bucket, offset))
         offset += local.numel()
@@ -345,10 +386,71 @@ def _make_entry(name: str, param: Tensor, bucket: _Bucket, offset: int) -> _Buck
     return entry
 
 
+def _broadcast_params(buckets: list[_Bucket], scheme: _AllReduce) -> None:
+    """Start every replica from group rank 0's weights, as torch DDP does."""
+    works = [
+        dist.broadcast(bucket.params, src=scheme.root, group=scheme.group, async_op=True)
+        for bucket in buckets
+    ]
+    for work in works:
+        work.wait()
+
+
+class _Reductions:
+    """The collectives of a backward pass, bucket by bucket.
+
+    ZeRO-2 frees each bucket's full gradients once reduced; completing the previous
+    bucket's collective before starting the next bounds how many exist at once (the
+    backpressure DeepSpeed's buckets apply).
+    """
+
+    def __init__(self, buckets: list[_Bucket], scheme: _AllReduce) -> None:
+        self.buckets = buckets
+        self.scheme = scheme
+        self.in_flight: deque[_Bucket] = deque()
+
+    def launch(self, bucket: _Bucket) -> None:
+        """Start ``bucket``'s collective (after completing older ones, under ZeRO-2)."""
+        bounded = self.scheme.reduces_each_pass
+        while bounded and len(self.in_flight) >= MAX_FULL_BUCKETS_IN_FLIGHT:
+            self._complete(self.in_flight.popleft())
+        bucket.work, bucket.launched = self.scheme.reduce(bucket), True
+        self.in_flight.append(bucket)
+
+    def _complete(self, bucket: _Bucket) -> None:
+        assert bucket.work is not None
+        bucket.work.wait()
+        bucket.work = None
+        self.scheme.after_reduce(bucket)
+
+    def drain(self) -> None:
+        """Start the buckets not started in this pass (in bucket order, the same on every
+        rank) and wait for all of them."""
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self.launch(bucket)
+        while self.in_flight:
+            self._complete(self.in_flight.popleft())
+        for bucket in self.buckets:
+            bucket.launched, bucket.grads_arrived = False, 0
+
+    def publish(self, bucket: _Bucket) -> None:
+        """Average the reduced owned slice and point the shard parameters' ``.grad`` at it."""
+        reduced = self.scheme.reduced_grads(bucket).div_(self.scheme.world_size)
+        lo = bucket.owned[0]
+        for entry in bucket.entries:
+            if entry.shard is not None:
+                start = entry.shard_offset - lo
+                entry.shard.grad = reduced[start : start + entry.shard.numel()]
+        if self.scheme.frees_grads:
+            bucket.grads = None  # ZeRO-2: already freed; parameter server: not the root's
+        bucket.stale, bucket.shard_fresh = True, True
+
+
 @dataclass
-class _FullOptimizerState:
-    """Gathers an optimizer's sharded state into whole tensors by parameter name, and slices
-    a whole state back into this rank's shards (the engine's checkpoint format)."""
+class _OptimizerState:
+    """An optimizer's state by parameter name: gathered into whole tensors and sliced back
+    (single-file checkpoints), or as this rank's flat ranges (sharded DCP checkpoints)."""
 
     buckets: list[_Bucket]
     scheme: _AllReduce
@@ -419,34 +521,62 @@ class _FullOptimizerState:
         return owned
 
     def load(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load a full state (from :meth:`optimizer_state_dict` or a plain torch optimizer over
-        the same groups), keeping only this rank's slices: any rank count can resume it.
+        """Load a full state (from :meth:`gather` or a plain torch optimizer over the same
+        groups), keeping only this rank's slices: any rank count can resume it.
         """
-        names = self.group_names[optimizer]
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(names):
-            raise ValueError(
-                f"The checkpoint has {len(saved_groups)} optimizer param groups, the optimizer"
-                f" has {len(names)}; build the optimizer with the same groups to resume."
-            )
-        full_state = _state_by_name(state_dict, names)
+        _check_groups(state_dict["param_groups"], optimizer)
+        full_state = _state_by_name(state_dict, self.group_names[optimizer])
+        shard_states = {}
+        for group in optimizer.param_groups:
+            for shard in group["params"]:
+                entry = self.by_shard[shard]
+                shard_states[shard] = {
+                    key: entry.shard_of(v) if is_elementwise(v, entry.numel) else v
+                    for key, v in full_state.get(entry.name, {}).items()
+                }
+        self.load_shards(optimizer, shard_states, state_dict["param_groups"])
+
+    def owned(self, optimizer: Optimizer) -> list[OwnedSlice]:
+        """The flat ranges of parameters that ``optimizer`` steps on this rank, in order."""
+        slices = []
+        for group in optimizer.param_groups:
+            for shard in group["params"]:
+                entry = self.by_shard[shard]
+                start = entry.shard_offset - entry.offset
+                slices.append(OwnedSlice(entry.name, entry.param, start, shard))
+        return slices
+
+    def load_shards(
+        self,
+        optimizer: Optimizer,
+        shard_states: dict[Tensor, dict[str, Any]],
+        saved_groups: list[dict[str, Any]],
+    ) -> None:
+        """Give ``optimizer`` the state of each of its shard parameters (elementwise values
+        already shard-sized) and the saved groups' hyperparameters."""
+        _check_groups(saved_groups, optimizer)
         shards = [shard for group in optimizer.param_groups for shard in group["params"]]
-        state = {}
-        for index, shard in enumerate(shards):
-            entry = self.by_shard[shard]
-            values = full_state.get(entry.name, {})
-            state[index] = {
-                key: entry.shard_of(v) if _is_elementwise(v, entry.numel) else v
-                for key, v in values.items()
-            }
+        state = {i: shard_states[shard] for i, shard in enumerate(shards) if shard_states[shard]}
         groups, start = [], 0
         for group, saved in zip(optimizer.param_groups, saved_groups, strict=True):
             hyper = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
             groups.append({**hyper, "params": list(range(start, start + len(group["params"])))})
             start += len(group["params"])
-        optimizer.load_state_dict(
-            {"state": {i: s for i, s in state.items() if s}, "param_groups": groups}
-        )
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+@dataclass(frozen=True)
+class OwnedSlice:
+    """A flat range of one parameter's local tensor that this rank's optimizer steps."""
+
+    name: str
+    """The parameter's name (the checkpoint key)."""
+    param: Tensor
+    """The model parameter (a DTensor under tensor parallelism)."""
+    start: int
+    """Where the range starts in the parameter's local tensor, flattened."""
+    shard: Tensor
+    """The 1-D parameter the optimizer steps: the range itself."""
 
 
 class GradientEngine:
@@ -459,12 +589,9 @@ class GradientEngine:
     ``main_grad``); when a bucket's last gradient arrives, the bucket's collective is
     launched asynchronously, overlapping the rest of backward. At the end of backward the
     engine waits for all collectives, averages, and points the shard parameters' ``.grad``
-    at the reduced gradients. :meth:`attach` hands an optimizer the shard parameters; after
-    its ``step()`` the updated shards are all-gathered (or broadcast) into the model.
-
-    Model parameters' ``.grad`` stay ``None``: gradients live in the engine, and the
-    optimizer (or a precision plugin through :meth:`gradient_layout`) reads them from the
-    shard parameters.
+    at the reduced gradients (model parameters' ``.grad`` stay ``None``). :meth:`attach`
+    hands an optimizer the shard parameters; after its ``step()`` the updated shards are
+    all-gathered (or broadcast) into the model.
 
     Args:
         named_params: ``(name, parameter)`` pairs, e.g. ``module.named_parameters()``; those
@@ -507,12 +634,14 @@ class GradientEngine:
             param.register_post_accumulate_grad_hook(self._on_grad_ready) for param in params
         ]
         self._group_names: dict[Optimizer, list[list[str]]] = {}
-        self._full_state = _FullOptimizerState(
+        self._state = _OptimizerState(
             self._buckets, self._scheme, self._by_shard, self._group_names, process_group
         )
         self._sync_grads = True
+        self._deferred = False
         self._finish_queued = False
-        self._broadcast_params()
+        self._reductions = _Reductions(self._buckets, self._scheme)
+        _broadcast_params(self._buckets, self._scheme)
 
     @property
     def world_size(self) -> int:
@@ -529,17 +658,6 @@ class GradientEngine:
         """Padded element count of each bucket, in reduction order."""
         return [bucket.params.numel() for bucket in self._buckets]
 
-    def _broadcast_params(self) -> None:
-        """Start every replica from group rank 0's weights, as torch DDP does."""
-        works = [
-            dist.broadcast(
-                bucket.params, src=self._scheme.root, group=self.process_group, async_op=True
-            )
-            for bucket in self._buckets
-        ]
-        for work in works:
-            work.wait()
-
     # ---- backward: accumulate, launch, finish ---------------------------------------------
 
     def _on_grad_ready(self, param: Tensor) -> None:
@@ -549,19 +667,26 @@ class GradientEngine:
         grad = _local_grad(param)
         bucket.grad_buffer()[entry.offset : entry.offset + entry.numel].add_(grad.reshape(-1))
         param.grad = None
-        if not self._sync_grads:
+        if self._deferred or not (self._sync_grads or self._scheme.reduces_each_pass):
             return
-        self._queue_finish()
+        self._queue_end_of_backward()
         bucket.grads_arrived += 1
         if self.overlap_comm and bucket.grads_arrived == len(bucket.entries):
-            bucket.work = self._scheme.reduce(bucket)
+            self._reductions.launch(bucket)
 
-    def _queue_finish(self) -> None:
+    def _queue_end_of_backward(self) -> None:
         # Autograd runs queued callbacks once the whole backward pass is done (torch DDP
         # and FSDP finalize their reductions the same way).
         if not self._finish_queued:
-            Variable._execution_engine.queue_callback(self.finish_grad_sync)
+            Variable._execution_engine.queue_callback(self._end_of_backward)
             self._finish_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._finish_queued = False
+        if self._sync_grads:
+            self.finish_grad_sync()
+        else:
+            self._reductions.drain()  # ZeRO-2 accumulating: the rest into the shards
 
     def finish_grad_sync(self) -> None:
         """Reduce what is still pending, wait, average and expose the owned gradients.
@@ -570,30 +695,14 @@ class GradientEngine:
         parameter that got no gradient are launched here (their gradient counts as zero).
         """
         self._finish_queued = False
+        self._reductions.drain()
         for bucket in self._buckets:
-            if bucket.work is None:
-                bucket.work = self._scheme.reduce(bucket)
-        for bucket in self._buckets:
-            assert bucket.work is not None
-            bucket.work.wait()
-            bucket.work, bucket.grads_arrived = None, 0
-            self._publish(bucket)
-
-    def _publish(self, bucket: _Bucket) -> None:
-        reduced = self._scheme.reduced_grads(bucket).div_(self.world_size)
-        lo = bucket.owned[0]
-        for entry in bucket.entries:
-            if entry.shard is not None:
-                start = entry.shard_offset - lo
-                entry.shard.grad = reduced[start : start + entry.shard.numel()]
-        if self._scheme.frees_grads:
-            bucket.grads = None
-        bucket.stale = True
+            self._reductions.publish(bucket)
 
     def accumulated_grad(self, param: Tensor) -> Tensor:
         """The local, not yet reduced gradient of ``param`` (a view into its bucket).
 
-        Valid between backward passes run under :meth:`no_sync` and
+        Valid between backward passes run under :meth:`defer_reduction` and
         :meth:`finish_grad_sync`; a collective on it (e.g. summing a tied weight's gradient
         across pipeline stages) is folded into the coming reduction.
         """
@@ -603,12 +712,32 @@ class GradientEngine:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally without communicating (all but the last micro-batch)."""
+        """Gradient accumulation: backward passes here do not finish the reduction.
+
+        Stages 0, 1 and the parameter server accumulate whole gradients locally and
+        communicate nothing; stage 2 reduce-scatters each pass's buckets into the 1/N shard
+        and frees them (DeepSpeed's way), so accumulation keeps its memory bound. The last
+        pass, outside this context, finishes and exposes the gradients.
+        """
         previous, self._sync_grads = self._sync_grads, False
         try:
             yield
         finally:
             self._sync_grads = previous
+
+    @contextmanager
+    def defer_reduction(self) -> Iterator[None]:
+        """Accumulate whole gradients locally, at every stage, until :meth:`finish_grad_sync`.
+
+        For callers that run several backward passes and then act on the whole local
+        gradient before reducing it (a pipeline's micro-batches, then summing a tied
+        weight's two copies with :meth:`accumulated_grad`).
+        """
+        previous, self._deferred = self._deferred, True
+        try:
+            yield
+        finally:
+            self._deferred = previous
 
     # ---- optimizer ------------------------------------------------------------------------
 
@@ -680,20 +809,24 @@ class GradientEngine:
     # ---- full (unsharded) optimizer state, keyed by parameter name -------------------------
 
     def optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The whole optimizer state keyed by parameter name, on group rank 0 (``{}`` elsewhere).
-
-        The layout is torch's ``Optimizer.state_dict()`` with names for ids: ``state`` maps
-        each name to full, parameter-shaped tensors; ``param_groups[i]["params"]`` lists the
-        names in the original order, so a plain unsharded optimizer over the same groups can
-        ``load_state_dict`` it directly. Every rank of the group must call this.
-        """
-        return self._full_state.gather(optimizer)
+        """The whole optimizer state by parameter name on group rank 0 (``{}`` elsewhere),
+        loadable by a plain torch optimizer (see :meth:`_OptimizerState.gather`)."""
+        return self._state.gather(optimizer)
 
     def load_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load a full state (from :meth:`optimizer_state_dict` or a plain torch optimizer over
-        the same groups), keeping only this rank's slices: any rank count can resume it.
-        """
-        self._full_state.load(optimizer, state_dict)
+        """Load a whole state from any rank count, or a plain optimizer, keeping this rank's
+        slices."""
+        self._state.load(optimizer, state_dict)
+
+    def owned_slices(self, optimizer: Optimizer) -> list[OwnedSlice]:
+        """What ``optimizer`` steps on this rank, parameter by parameter (sharded saves)."""
+        return self._state.owned(optimizer)
+
+    def load_shard_states(
+        self, optimizer: Optimizer, states: dict[Tensor, dict[str, Any]], groups: list[dict]
+    ) -> None:
+        """Load per-shard state (keyed by the shard parameters) and the groups' settings."""
+        self._state.load_shards(optimizer, states, groups)
 
     def parameter_names(self, optimizer: Optimizer) -> list[str]:
         """Names of the parameters ``optimizer`` steps, group by group (after :meth:`attach`)."""
@@ -703,7 +836,12 @@ class GradientEngine:
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage the engine holds on this rank right now."""
-        tensors = [t for b in self._buckets for t in (b.grads, b.shard_grads) if t is not None]
+        tensors = [
+            t
+            for b in self._buckets
+            for t in (b.grads, b.shard_grads, b.shard_pending)
+            if t is not None
+        ]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def remove(self) -> None:
@@ -733,6 +871,15 @@ def _local_grad(param: Tensor) -> Tensor:
     if not isinstance(grad, DTensor):
         return grad
     return grad.redistribute(param.device_mesh, param.placements).to_local()
+
+
+def _check_groups(saved_groups: list[dict[str, Any]], optimizer: Optimizer) -> None:
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"The checkpoint has {len(saved_groups)} optimizer param groups, the optimizer"
+            f" has {len(optimizer.param_groups)}; build the optimizer with the same groups"
+            " to resume."
+        )
 
 
 def _state_by_name(state_dict: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:

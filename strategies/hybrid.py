@@ -20,10 +20,9 @@ and every rank logs the loss broadcast from the last stage through the module's
 ``record_loss(stage, loss, batch)``. Validation runs a forward-only schedule.
 
 Checkpoints are DCP directories at the checkpoint path, keyed by full-model parameter
-names, so model weights reload under any layout (pp, tp, dp). Optimizer state
-(:mod:`~plugintrain.strategies.checkpoint`): with ``tensor_parallel == 1`` (ZeRO 0-2) it
-is saved whole per parameter name and reloads under any pp and dp; with tp > 1 each
-rank saves its own shard (same layout to resume); stage 3 reshards through torch's
+names and written shard by shard from every rank, nothing gathered
+(:mod:`~plugintrain.strategies.checkpoint`): weights and ZeRO 0-2 optimizer state reload
+under any pp, vpp, tp and dp and in one process; stage 3 reshards through torch's
 ``get_optimizer_state_dict``.
 """
 
@@ -47,18 +46,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.distributed import GradientLayout
-from plugintrain.strategies.checkpoint import EngineCheckpoint
-from plugintrain.strategies.engine_binding import EngineBinding, unwrap_optimizer
+from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.parallelize import (
     build_engine,
+    builds_on_meta,
     check_model_fits,
     hybrid_gradient_layout,
-    shard_model,
+    prepare_model,
 )
 from plugintrain.strategies.pipeline import PipelineOptions
-from plugintrain.strategies.pipeline_runtime import PipelineRuntime, split_stages
-from plugintrain.strategies.tensor_parallel import retie, shared_parameters, vocab_parallel_loss
+from plugintrain.strategies.pipeline_runtime import PipelineRuntime
+from plugintrain.strategies.tensor_parallel import retie, shared_parameters
 from plugintrain.strategies.tied import TiedParameters
 
 
@@ -142,7 +141,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.overlap_comm = overlap_comm
         self._binding = EngineBinding(type(self).__name__)
         self._pipeline: PipelineRuntime | None = None
-        self._checkpoint: EngineCheckpoint | None = None
 
     @property
     def dims(self) -> ParallelDims:
@@ -177,10 +175,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Build the full model on the device with its own seeded init (not on the meta
-        # device as ModelParallelStrategy does, whose materialization would skip
-        # Transformer.init_weights): the plan then distributes tp rank 0's weights, and the
-        # engine or FSDP2 dp rank 0's, so a run starts from the single-process weights.
+        # Shard-first for a module that initializes its own shards (see `prepare_model`);
+        # any other is built whole with its own init, and the plan distributes tp rank 0's
+        # weights, the engine or FSDP2 dp rank 0's.
+        if empty_init is not False and builds_on_meta(self.lightning_module):
+            with torch.device("meta"), self.precision_plugin.tensor_init_context():
+                yield
+            return
         with super(ModelParallelStrategy, self).tensor_init_context(empty_init=False):
             yield
 
@@ -198,13 +199,8 @@ class HybridParallelStrategy(ModelParallelStrategy):
         self.check_model(module, trainer.datamodule)
         dims, mesh = self.dims, self.device_mesh
         fitting = trainer.state.fn == TrainerFn.FITTING
-        # torchtitan's order: split the stages, then TP, then data parallelism.
-        pipelined = dims.pipeline_parallel > 1
-        stages = split_stages(module, dims, self.pipeline_options, mesh) if pipelined else None
-        plan = module.tp_plan() if dims.tp_enabled else None
-        shard_model(module, plan, dims, mesh, fully_shard_dp=fitting)
-        if dims.tp_enabled:
-            module.loss_fn = vocab_parallel_loss(module.loss_fn)
+        options = self.pipeline_options
+        stages = prepare_model(module, dims, options, mesh, self.root_device, fitting)
         super().setup(trainer)  # moves the model, builds the optimizers
         if fitting:
             self._setup_engine(module)
@@ -236,12 +232,9 @@ class HybridParallelStrategy(ModelParallelStrategy):
         if engine is None:
             return  # FSDP2 (ZeRO-3) reduces, and its DTensor gradients know their layout
         self._binding.check_clipping(module.trainer, self.precision_plugin)
-        self._binding.install(engine)
-        self._binding.attach(self.optimizers)
         tied = TiedParameters.of(module)
-        self._checkpoint = EngineCheckpoint(
-            engine, tied, dims.tensor_parallel, self.global_rank, self.world_size
-        )
+        self._binding.install(engine, tied)
+        self._binding.attach(self.optimizers)
 
     @override
     def backward(
@@ -300,20 +293,29 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._checkpoint is None:
+        if not self._binding.bound:
             return super().optimizer_state(optimizer)
-        return self._checkpoint.optimizer_state(unwrap_optimizer(optimizer))
+        return self._binding.optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
+    ) -> None:
+        if not self._binding.bound or not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take `storage_options`.")
+        self._binding.save(checkpoint, Path(self.broadcast(filepath)), self.global_rank == 0)
 
     @override
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if self._checkpoint is None:
+        if not self._binding.bound:
             return super().load_checkpoint(checkpoint_path, weights_only)
         assert self.model is not None
         path = Path(self.broadcast(checkpoint_path))
-        optimizers = [unwrap_optimizer(optimizer) for optimizer in self.optimizers]
-        return self._checkpoint.load(path, self.model, optimizers, weights_only)
+        return self._binding.load(path, self.model, self.optimizers, weights_only)
 
     @override
     def teardown(self) -> None:

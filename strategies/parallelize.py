@@ -14,11 +14,13 @@ functions beside them describe the result: how many tp ranks hold each piece
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,9 +36,14 @@ from plugintrain.distributed import (
 )
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims
-from plugintrain.strategies.pipeline import PipelineOptions
-from plugintrain.strategies.pipeline_runtime import check_pipeline
-from plugintrain.strategies.tensor_parallel import apply_tensor_parallel
+from plugintrain.strategies.pipeline import PipelineOptions, VirtualStage
+from plugintrain.strategies.pipeline_runtime import check_pipeline, split_stages
+from plugintrain.strategies.tensor_parallel import (
+    apply_tensor_parallel,
+    retie,
+    shared_parameters,
+    vocab_parallel_loss,
+)
 
 # Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
 _BLOCK = re.compile(r"(.*\.)?layers\.\d+")
@@ -101,6 +108,60 @@ def shard_model(
         )
     if dims.fsdp_enabled and fully_shard_dp:
         _fully_shard(module, mesh["dp"])
+
+
+def prepare_model(
+    module: Any,
+    dims: ParallelDims,
+    options: PipelineOptions,
+    mesh: DeviceMesh,
+    device: torch.device,
+    fitting: bool,
+) -> list[VirtualStage] | None:
+    """Lay ``module`` out for this rank before Lightning moves it and builds optimizers.
+
+    torchtitan's order: split the pipeline stages (keeping this rank's), apply TP(+SP),
+    then FSDP2 for ZeRO-3 when fitting; then allocate and initialize what this rank kept
+    if the module was built on the meta device (:func:`materialize`), and make the loss
+    vocabulary-parallel under tp. The gradient engine comes later (:func:`build_engine`).
+
+    Returns:
+        This rank's virtual stages when pp > 1, else None.
+    """
+    pipelined = dims.pipeline_parallel > 1
+    stages = split_stages(module, dims, options, mesh) if pipelined else None
+    plan = module.tp_plan() if dims.tp_enabled else None
+    shard_model(module, plan, dims, mesh, fully_shard_dp=fitting)
+    materialize(module, device)
+    if dims.tp_enabled:
+        module.loss_fn = vocab_parallel_loss(module.loss_fn)
+    return stages
+
+
+def builds_on_meta(module: Any) -> bool:
+    """Whether ``module`` can be built on the meta device and initialized shard by shard:
+    it implements :class:`~plugintrain.distributed.ShardFirstModule` (``init_weights``)."""
+    return callable(getattr(module, "init_weights", None))
+
+
+def materialize(module: nn.Module, device: torch.device) -> None:
+    """Allocate this rank's part of a module built on the meta device (after the pipeline
+    split and sharding) on ``device`` and initialize it with ``module.init_weights()``.
+
+    Allocates nothing beyond what the rank keeps, plus the initializer's one chunk at a
+    time. A module with no meta tensors is left as it is.
+    """
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    if not any(tensor.is_meta for tensor in tensors):
+        return
+    if hasattr(module, "init_seed") and dist.is_initialized():  # rank 0's weights everywhere
+        seed = [module.init_seed]
+        dist.broadcast_object_list(seed, src=0)
+        module.init_seed = seed[0]
+    shared = shared_parameters(module)
+    module.to_empty(device=device)  # replaces each parameter: re-tie the shared ones
+    retie(shared)
+    module.init_weights()
 
 
 def check_model_fits(

@@ -16,7 +16,9 @@ dependencies can hang, which the simulator rules out; ``batch_isend_irecv`` is n
 as it has been reported to hang on gloo in some orders). Every message has a fixed
 shape, ``(micro-batch, sequence (/ tp with SP), hidden)``, and a fixed wire dtype, so
 bf16 autocast outputs never meet an fp32 receive buffer of another dtype. Activations
-are freed as soon as their backward has run.
+are freed as soon as their backward has run, a sent tensor as soon as the schedule
+proves it delivered (an answer from its receiver has arrived), and gradients are received
+into one reused buffer.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from plugintrain.distributed import StagedModel
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline_schedules import (
     Action,
+    Message,
     Schedule,
     build_schedule,
     forward_only,
+    release_points,
 )
 from plugintrain.strategies.pipeline_schedules import validate as validate_schedule
 
@@ -266,7 +270,8 @@ class PipelineExecutor:
         self.peak_stashed = 0
         self.wait_seconds = 0.0
         self.step_seconds = 0.0
-        self._sends: list[tuple[dist.Work, Tensor]] = []
+        self._sends: dict[Message, tuple[dist.Work, Tensor]] = {}
+        self._grad_buffer: Tensor | None = None
         self._step_microbatches = microbatches
 
     @property
@@ -280,16 +285,38 @@ class PipelineExecutor:
         """A distinct tag per message of a step: the producing stage, micro-batch, direction."""
         return (stage * self._step_microbatches + microbatch) * 2 + (kind == "B")
 
-    def _send(self, tensor: Tensor, to_stage: int, tag: int) -> None:
-        peer = self.peers[to_stage % self.pp]
+    def _send(self, tensor: Tensor, message: Message) -> None:
+        kind, stage, _ = message
+        peer = self.peers[(stage + 1 if kind == "F" else stage - 1) % self.pp]
         wire = tensor.detach().to(self.wire_dtype).contiguous()
-        self._sends.append((dist.isend(wire, dst=peer, group=self.group, tag=tag), wire))
+        work = dist.isend(wire, dst=peer, group=self.group, tag=self._tag(*message))
+        self._sends[message] = (work, wire)
+
+    def _release(self, messages: list[Message]) -> None:
+        """Complete and drop sends that the schedule proves delivered
+        (:func:`~plugintrain.strategies.pipeline_schedules.release_points`), so each sent
+        tensor is freed as soon as nothing else (the stash) holds it."""
+        start = time.perf_counter()
+        for message in messages:
+            work, _ = self._sends.pop(message)
+            work.wait()
+        self.wait_seconds += time.perf_counter() - start
 
     def _recv(
-        self, shape: tuple[int, ...], from_stage: int, tag: int, device: torch.device
+        self,
+        shape: tuple[int, ...],
+        from_stage: int,
+        tag: int,
+        device: torch.device,
+        reuse: bool = False,
     ) -> Tensor:
+        """Receive one message; ``reuse``: into the executor's one gradient buffer, which
+        the backward that reads it has finished with before the next receive."""
         peer = self.peers[from_stage % self.pp]
-        buffer = torch.empty(shape, dtype=self.wire_dtype, device=device)
+        buffer = self._grad_buffer if reuse else None
+        if buffer is None or buffer.shape != shape or buffer.device != device:
+            buffer = torch.empty(shape, dtype=self.wire_dtype, device=device)
+            self._grad_buffer = buffer if reuse else self._grad_buffer
         work = dist.irecv(buffer, src=peer, group=self.group, tag=tag)
         start = time.perf_counter()
         work.wait()
@@ -297,11 +324,7 @@ class PipelineExecutor:
         return buffer
 
     def _wait_sends(self) -> None:
-        start = time.perf_counter()
-        for work, _ in self._sends:
-            work.wait()
-        self.wait_seconds += time.perf_counter() - start
-        self._sends.clear()
+        self._release(list(self._sends))
 
     # ---- steps ----------------------------------------------------------------------------
 
@@ -359,8 +382,9 @@ class PipelineExecutor:
         stash: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         losses: list[Tensor] = []
         self.peak_stashed = 0
+        releases = release_points(schedule, self.rank)
         try:
-            for action in schedule.actions[self.rank]:
+            for index, action in enumerate(schedule.actions[self.rank]):
                 if action.kind == "F":
                     self._forward(
                         action, inputs, targets, shape, seq_len, device, training, stash, losses
@@ -368,6 +392,7 @@ class PipelineExecutor:
                     self.peak_stashed = max(self.peak_stashed, len(stash))
                 else:
                     self._backward(action, shape, device, stash, loss_scale, scale_loss)
+                self._release(releases.get(index, []))
         finally:
             self._wait_sends()
             self.step_seconds = time.perf_counter() - start
@@ -401,7 +426,7 @@ class PipelineExecutor:
         if stage.is_last:
             losses.append(out.detach().float())
         else:
-            self._send(out, stage.index + 1, self._tag("F", stage.index, mb))
+            self._send(out, ("F", stage.index, mb))
         if training:
             stash[(action.chunk, mb)] = (None if stage.is_first else x, out)
 
@@ -422,11 +447,10 @@ class PipelineExecutor:
                 loss = out * loss_scale
                 torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)
             else:
-                grad = self._recv(
-                    shape, stage.index + 1, self._tag("B", stage.index + 1, mb), device
-                )
+                tag = self._tag("B", stage.index + 1, mb)
+                grad = self._recv(shape, stage.index + 1, tag, device, reuse=True)
                 torch.autograd.backward(out, grad.to(out.dtype))
         if x is not None:
             assert x.grad is not None
-            self._send(x.grad, stage.index - 1, self._tag("B", stage.index, mb))
+            self._send(x.grad, ("B", stage.index, mb))
         del x, out  # the activations of this micro-batch and chunk are free now

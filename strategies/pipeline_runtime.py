@@ -130,7 +130,7 @@ class PipelineRuntime:
         """
         inputs, targets = _microbatches(batch, self.microbatches)
         scaler = getattr(self.precision_plugin, "loss_scaler", None)
-        with engine.no_sync():
+        with engine.defer_reduction():
             loss = self.executor.train_step(
                 inputs,
                 targets,

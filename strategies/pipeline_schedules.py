@@ -438,3 +438,62 @@ def _p2p_in_order(schedule: Schedule) -> bool:
                 if stage < last:
                     received[(s.rank_of(stage + 1)[0], rank)].append(("B", stage + 1, mb))
     return dict(sent) == dict(received)
+
+
+# ---- when a sent tensor may be released ---------------------------------------------------
+
+Message = tuple[str, int, int]
+"""``(kind, producing stage, micro-batch)``: one activation (``F``) or gradient (``B``)."""
+
+
+def _messages(s: Schedule, rank: int, action: Action) -> tuple[Message | None, Message | None]:
+    """The message ``action`` receives (first) and the one it sends (after computing)."""
+    stage, mb, last = s.stage_of(rank, action.chunk), action.microbatch, s.num_stages - 1
+    if action.kind == "F":
+        received = ("F", stage - 1, mb) if stage > 0 else None
+        return received, (("F", stage, mb) if stage < last else None)
+    received = ("B", stage + 1, mb) if stage < last else None
+    return received, (("B", stage, mb) if stage > 0 else None)
+
+
+def _destination(s: Schedule, message: Message) -> int:
+    kind, stage, _ = message
+    return s.rank_of(stage + 1 if kind == "F" else stage - 1)[0]
+
+
+def release_points(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
+    """For each of ``rank``'s actions, the messages it sent earlier that are certainly
+    delivered once that action's receive has completed.
+
+    A message is delivered when its receiver's action runs. Anything the receiver sends
+    back to us from that action on was sent after it, so when our receive of such a
+    message completes, the earlier send has completed too: waiting on it then returns
+    at once, on gloo and on NCCL alike (where a send completes only when its receive is
+    posted). Messages with no such answer are released at the end of the step.
+
+    Returns:
+        Our action index -> the messages whose sends to release after that action.
+    """
+    s = schedule
+    receiver_index: dict[Message, tuple[int, int]] = {}  # message -> (rank, action index)
+    sent_from: list[list[tuple[int, Message]]] = [[] for _ in range(s.pp)]
+    for r, actions in enumerate(s.actions):
+        for index, action in enumerate(actions):
+            received, sent = _messages(s, r, action)
+            if received is not None:
+                receiver_index[received] = (r, index)
+            if sent is not None:
+                sent_from[r].append((index, sent))
+    releases: dict[int, list[Message]] = defaultdict(list)
+    for _index, message in sent_from[rank]:
+        if s.forward_only and message[0] == "B":
+            continue
+        peer, consumed_at = receiver_index[message]
+        answers = [
+            receiver_index[reply][1]
+            for index, reply in sent_from[peer]
+            if index >= consumed_at and _destination(s, reply) == rank
+        ]
+        if answers:
+            releases[min(answers)].append(message)
+    return dict(releases)

@@ -3,8 +3,10 @@
 They launch processes, detect torchrun/SLURM environments, shard the sampler and sync
 metrics exactly like Lightning's ``DDPStrategy`` (which they subclass), but replace torch's
 ``DistributedDataParallel`` wrapper with :class:`~plugintrain.strategies.GradientEngine`.
-Checkpoints hold the full optimizer state keyed by parameter name (gathered to rank 0), so
-they resume under any number of ranks, with or without these strategies.
+Checkpoints are DCP directories written shard by shard from every rank (nothing gathered,
+:mod:`~plugintrain.strategies.checkpoint`), keyed by parameter name, so they resume under
+any number of ranks and ZeRO stage, and under the ``hybrid`` and ``pipeline`` strategies.
+Single-file checkpoints of earlier versions (the whole optimizer state by name) still load.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.distributed import GradientLayout
+from plugintrain.strategies.checkpoint import load_weights
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.grad_engine import (
     PARAMETER_SERVER,
@@ -69,6 +73,7 @@ class _GradientEngineStrategy(DDPStrategy):
         self.bucket_size_mb = bucket_size_mb
         self.overlap_comm = overlap_comm
         self._binding = EngineBinding(type(self).__name__)
+        self._loaded_directory = False
 
     @property
     def engine(self) -> GradientEngine:
@@ -109,12 +114,51 @@ class _GradientEngineStrategy(DDPStrategy):
         """The layout of the optimizer's shard gradients, for the precision plugin."""
         return self.engine.gradient_layout(parameters)
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # A sharded checkpoint loads straight into the optimizers' shards: they must exist.
+        return True
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._binding.bound:
             return super().optimizer_state(optimizer)
-        # Full state keyed by parameter name on rank 0 (every rank joins the gather).
-        return self._binding.optimizer_state(optimizer)
+        return self._binding.optimizer_state(optimizer)  # this rank's shards, for DCP
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if not self._binding.bound:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take `storage_options`.")
+        path = Path(self.broadcast(str(filepath)))
+        self._binding.save(checkpoint, path, write_metadata=self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only)  # a single-file checkpoint
+        assert self.model is not None
+        self._loaded_directory = True
+        if not self._binding.bound:  # evaluating: weights only
+            return load_weights(path, self.model, weights_only)
+        return self._binding.load(path, self.model, self.optimizers, weights_only)
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # A DCP directory filled the optimizers' shards in `load_checkpoint` already.
+        return not self._loaded_directory
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # else loaded from the DCP directory already
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

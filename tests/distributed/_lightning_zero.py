@@ -32,6 +32,11 @@ class _LossRecorder(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.val_losses.append(trainer.callback_metrics["val_loss"].item())
 
     def on_train_batch_end(
         self,
@@ -58,6 +63,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--validate", default=None, help="a checkpoint to validate after fit")
     args = parser.parse_args()
     L.seed_everything(0)
     config = dataclasses.replace(
@@ -90,10 +96,14 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, _data(args.devices), ckpt_path=args.resume)
+    val = _data(args.devices) if args.validate else None  # then validated after each epoch
+    trainer.fit(model, _data(args.devices), val, ckpt_path=args.resume)
+    out = {"losses": recorder.losses, "logged": "train_loss" in trainer.callback_metrics}
+    if args.validate:  # evaluation loads only the weights of a checkpoint directory
+        out["val_epochs"] = recorder.val_losses
+        out["val_ckpt"] = trainer.validate(model, val, args.validate)[0]["val_loss"]
     if trainer.is_global_zero:
-        logged = "train_loss" in trainer.callback_metrics
-        args.out.write_text(json.dumps({"losses": recorder.losses, "logged": logged}))
+        args.out.write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -374,9 +374,11 @@ def _lightning(tmp: Path, tag: str, *args: str) -> list[float]:
 
 
 def test_lightning_save_on_four_resume_on_two_and_one(tmp_path: Path) -> None:
-    full = _lightning(tmp_path, "zero2x4", "--strategy", "zero2", "--devices", "4")
-    assert (tmp_path / "ckpt" / "step=2.ckpt").exists()
     ckpt = str(tmp_path / "ckpt" / "step=2.ckpt")
+    full = _lightning(
+        tmp_path, "zero2x4", "--strategy", "zero2", "--devices", "4", "--validate", ckpt
+    )
+    assert (tmp_path / "ckpt" / "step=2.ckpt" / ".metadata").is_file()  # a DCP directory
     on_two = _lightning(
         tmp_path, "zero1x2", "--strategy", "zero1", "--devices", "2", "--resume", ckpt
     )
@@ -389,4 +391,9 @@ def test_lightning_save_on_four_resume_on_two_and_one(tmp_path: Path) -> None:
     # different step 3 than the uninterrupted run even with one device and its own strategy
     # (seen with `auto` and `ddp` too); the engine cases above check exact continuation.
     assert on_two["losses"][0] == pytest.approx(full["losses"][2], rel=1e-5)
+    # Validating the step-2 checkpoint after fit evaluates its weights (as the validation
+    # at the end of epoch 0, step 2, did), not the final ones (epoch 1, step 4).
+    epoch0, epoch1 = full["val_epochs"]
+    assert full["val_ckpt"] == pytest.approx(epoch0, rel=1e-5)
+    assert epoch0 != pytest.approx(epoch1, rel=1e-3)
     torch.testing.assert_close(on_one["losses"], on_two["losses"], rtol=1e-5, atol=1e-6)

@@ -24,6 +24,7 @@ from plugintrain.strategies.pipeline_schedules import (
     gpipe,
     interleaved,
     one_f_one_b,
+    release_points,
     simulate,
     textbook_bubble,
     validate,
@@ -432,3 +433,45 @@ def test_summary_reports_bubble_idle_and_peak() -> None:
     assert "p2p order matched: True" in lines[-1]
     interleaved_summary = simulate(interleaved(4, 2, 8)).summary()
     assert "makespan 28.5, bubble 15.8%" in interleaved_summary
+
+
+# ---- releasing sent tensors -------------------------------------------------------------------
+
+
+def test_release_points_one_f_one_b_pp2_m4_by_hand() -> None:
+    schedule = build_schedule("1f1b", 2, 1, 4)
+    # Rank 0 (F0 F1 B0 F2 B1 F3 B2 B3): its activation for micro-batch i is delivered once
+    # the gradient of i came back, at B_i.
+    assert release_points(schedule, 0) == {
+        2: [("F", 0, 0)],
+        4: [("F", 0, 1)],
+        6: [("F", 0, 2)],
+        7: [("F", 0, 3)],
+    }
+    # Rank 1 (F0 B0 F1 B1 F2 B2 F3 B3): its gradient of i is delivered once rank 0 sent an
+    # activation after its B_i: F2 answers B0, F3 answers B1; the last two wait for the
+    # end of the step.
+    assert release_points(schedule, 1) == {4: [("B", 1, 0)], 6: [("B", 1, 1)]}
+
+
+@layouts
+@pytest.mark.parametrize("forward_only_", [False, True], ids=["train", "forward_only"])
+def test_a_send_is_released_only_after_its_receiver_ran(
+    name: str, pp: int, vpp: int, m: int, forward_only_: bool
+) -> None:
+    """Checked on the simulated timeline: the action after which a send is released
+    starts no earlier than the end of the receiver's action that consumed the message
+    (its answer is sent at the end of that action or later)."""
+    schedule = forward_only(pp, vpp, m) if forward_only_ else build_schedule(name, pp, vpp, m)
+    sim = simulate(schedule)
+    end = {
+        (slot.action.kind, slot.stage, slot.action.microbatch): slot.end
+        for rank in sim.timeline
+        for slot in rank
+    }
+    for rank in range(pp):
+        for index, messages in release_points(schedule, rank).items():
+            releaser = sim.timeline[rank][index]
+            for kind, stage, mb in messages:
+                consumer = ("F", stage + 1, mb) if kind == "F" else ("B", stage - 1, mb)
+                assert releaser.start >= end[consumer], (rank, index, (kind, stage, mb))

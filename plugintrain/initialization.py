@@ -1,0 +1,99 @@
+"""Seeded weight initialization that any rank can compute for its own shard alone.
+
+A model built on the meta device and sharded before it is materialized (pipeline stages,
+tensor-parallel shards, FSDP2 shards) must still start from the weights one process would
+draw. Drawing from the global generator in module order cannot do that: a rank would
+have to draw every other rank's numbers first. Here each parameter's values depend only
+on ``(seed, key, position)``: the whole tensor is cut into chunks of :data:`CHUNK`
+elements in flat order, chunk ``c`` is drawn by a CPU generator seeded from
+``(seed, key, c)``, and a rank generates just the chunks that overlap its shard (all of
+them for a column shard, one chunk in memory at a time) and copies the overlap. One
+process, any pipeline split and any tp/FSDP2 sharding therefore get the same values.
+
+``key`` is the parameter's name in the whole model (a tied weight uses one name for
+both places), ``seed`` is drawn once per model from the global generator, so
+``seed_everything`` keeps runs reproducible.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import Tensor
+
+from plugintrain.tensor_boxes import Box, flat_boxes, intersect, local_box, select
+
+CHUNK = 1 << 20
+"""Elements drawn per generator: 4 MiB of fp32 at a time, whatever the tensor's size."""
+
+
+def draw_seed() -> int:
+    """A model's init seed, from the global CPU generator (same on every seeded rank)."""
+    return int(torch.randint(0, 2**62, (), device="cpu"))
+
+
+def chunk_seed(seed: int, key: str, chunk: int) -> int:
+    """The generator seed of chunk ``chunk`` of the parameter called ``key``."""
+    return (seed ^ (zlib.crc32(f"{key}#{chunk}".encode()) << 20)) % 2**63
+
+
+@torch.no_grad()
+def seeded_normal_(param: Tensor, std: float, seed: int, key: str, mean: float = 0.0) -> Tensor:
+    """Fill ``param`` (a tensor, or a DTensor: only its local shard is written) with
+    normal(``mean``, ``std``) values that depend only on ``seed``, ``key`` and position.
+
+    Values are drawn in fp32 on the CPU and copied (cast) into the parameter, so every
+    device and dtype starts from the same numbers.
+    """
+    local, box = local_box(param)
+    normal_box_(local, box, tuple(param.shape), std, seed, key, mean)
+    return param
+
+
+@torch.no_grad()
+def normal_box_(
+    local: Tensor,
+    box: Box,
+    shape: tuple[int, ...],
+    std: float,
+    seed: int,
+    key: str,
+    mean: float = 0.0,
+) -> Tensor:
+    """Fill ``local``, the part of a tensor of ``shape`` at ``box``, with its values of
+    :func:`seeded_normal_`, drawing only the chunks that overlap ``box``."""
+    if local.numel() == 0:
+        return local
+    first, last = _flat_extent(shape, box)
+    for chunk in range(first // CHUNK, last // CHUNK + 1):
+        start = chunk * CHUNK
+        length = min(CHUNK, _numel(shape) - start)
+        generator = torch.Generator().manual_seed(chunk_seed(seed, key, chunk))
+        values = torch.empty(length).normal_(mean, std, generator=generator)
+        position = 0
+        for piece in flat_boxes(shape, start, length):
+            size = _numel(piece[1])
+            overlap = intersect(piece, box)
+            if overlap is not None:
+                drawn = values[position : position + size].view(piece[1])
+                select(local, overlap, box[0]).copy_(select(drawn, overlap, piece[0]))
+            position += size
+    return local
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _flat_extent(shape: tuple[int, ...], box: Box) -> tuple[int, int]:
+    """The first and last flat index of the whole tensor that ``box`` covers."""
+    first = last = 0
+    for dim, (offset, size) in enumerate(zip(*box, strict=True)):
+        stride = _numel(shape[dim + 1 :])
+        first += offset * stride
+        last += (offset + size - 1) * stride
+    return first, last

@@ -1,0 +1,140 @@
+"""Live tensor memory, measured by something that sees every tensor.
+
+On CUDA the caching allocator already counts every byte
+(``torch.cuda.max_memory_allocated``). On CPU nothing does, so :class:`LiveTensorMemory`
+is a ``TorchDispatchMode`` that sees the output of every operator run under it (factory
+functions, views, in-place ops, autograd's backward, collectives' buffers), follows each
+distinct storage from its first appearance until it is freed (a weak reference to the
+storage), and keeps the running total and its peak. Storages that existed before the
+mode (parameters, optimizer state) are counted once registered with :meth:`track`.
+
+Views and tensors sharing a storage count once, by storage size, as the allocator would.
+A DTensor counts as its local shard (a wrapper has no storage of its own; the mode sees
+the op on the DTensor, not the local op it runs).
+A storage is counted from the operator that allocated it (an output that does not alias
+an input, or a tensor adopting a storage, as ``torch.load`` builds what it reads); views
+of storages the mode never saw allocated (weights created before it, buffers a
+communication backend allocates internally) are not counted unless registered with
+:meth:`track`.
+Use it in tests and benchmarks::
+
+    with LiveTensorMemory() as memory:
+        memory.track(*model.parameters())
+        loss = model(x).sum(); loss.backward()
+    memory.peak_bytes, memory.live_bytes
+
+:func:`measure_peak` wraps this for either device.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+_ADOPT_STORAGE = (
+    torch.ops.aten.set_.source_Storage,
+    torch.ops.aten.set_.source_Storage_storage_offset,
+)
+
+
+class LiveTensorMemory(TorchDispatchMode):
+    """Bytes of live tensor storage on one device type (``"cpu"`` by default), with the peak.
+
+    Attributes:
+        live_bytes: Bytes of the storages currently alive that the mode has seen.
+        peak_bytes: The most ``live_bytes`` reached since entering (or :meth:`reset_peak`).
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._sizes: dict[int, int] = {}  # key of a live storage -> bytes counted
+        self._refs: dict[int, weakref.ref] = {}
+
+    def track(self, *tensors: Tensor | Iterable[Tensor]) -> None:
+        """Count storages created before the mode (parameters, buffers, optimizer state)."""
+        for item in tensors:
+            if isinstance(item, Tensor):
+                self._see(item)
+            else:
+                for tensor in item:
+                    self._see(tensor)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is live now."""
+        self.peak_bytes = self.live_bytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        # An output that aliases an input (a view, an in-place or `out=` result) is no new
+        # allocation: only storages already counted are re-measured (resize_ can grow one).
+        aliasing = any(ret.alias_info is not None for ret in schema.returns)
+        # ...except a tensor adopting a fresh storage: how torch.load (and so DCP's reader)
+        # materializes what it reads.
+        aliasing = aliasing and func not in _ADOPT_STORAGE
+        touched = tree_flatten((out, args, kwargs) if schema.is_mutable else out)[0]
+        for value in touched:
+            if isinstance(value, Tensor):
+                self._see(value, new=not aliasing)
+        return out
+
+    def _see(self, tensor: Tensor, new: bool = True) -> None:
+        if is_traceable_wrapper_subclass(tensor):
+            # A DTensor (or another wrapper) owns no storage of its own: its inner tensors
+            # do, and the ops on them run where this mode does not see them.
+            for attr in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, attr)
+                if isinstance(inner, Tensor):
+                    self._see(inner, new)
+            return
+        if tensor.device.type != self.device_type or tensor.is_meta:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        size = storage.nbytes()
+        known = self._sizes.get(key)
+        if known is None and not new:
+            return
+        if known is None:
+            # The id may be reused by a new storage once the old one died: the weakref's
+            # callback removes the old entry first, so a live key is always the same storage.
+            self._refs[key] = weakref.ref(storage, self._forget(key))
+        elif known == size:
+            return
+        self.live_bytes += size - (known or 0)
+        self._sizes[key] = size
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _forget(self, key: int) -> Callable[[weakref.ref], None]:
+        def forget(_: weakref.ref) -> None:
+            self.live_bytes -= self._sizes.pop(key, 0)
+            self._refs.pop(key, None)
+
+        return forget
+
+
+def measure_peak(fn: Callable[[], Any], device: torch.device, *existing: Iterable[Tensor]) -> int:
+    """Peak bytes of live tensors on ``device`` while ``fn()`` runs, ``existing`` included.
+
+    CUDA: the allocator's peak (every tensor of the process on that device). CPU: a
+    :class:`LiveTensorMemory` that counts ``existing`` and everything ``fn`` creates.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    with LiveTensorMemory(device.type) as memory:
+        memory.track(*existing)
+        fn()
+    return memory.peak_bytes
