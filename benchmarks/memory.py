@@ -10,7 +10,9 @@ sees every tensor an operator allocates (on CUDA the allocator's peak would be u
    the peak of a training step (the step's peak under the engine minus the peak of plain
    PyTorch on the same model dropping each gradient as soon as it is made), for DDP
    (baseline, stage 0), ZeRO-1 and ZeRO-2, with and without gradient accumulation; then
-   tokens/s of DDP and ZeRO-2 without the tracker, and their ratio.
+   tokens/s of DDP and ZeRO-2 without the tracker and their ratio, with 1 MiB buckets (7,
+   as a large model's 25 MiB buckets are many) and with the table's 0.25 MiB (28 tiny
+   collectives a step, where ZeRO-2's wait for the previous bucket shows on gloo).
 2. **Pipeline buffers** (``--pp`` gloo processes, Llama 3 debug with 2 x pp blocks, 8
    micro-batches of 2 x 128 tokens): each rank's peak activation and boundary bytes
    during a step (beyond weights and gradients), GPipe (baseline) against 1F1B and
@@ -33,6 +35,7 @@ import multiprocessing as mp
 import os
 import resource
 import socket
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -59,6 +62,7 @@ from plugintrain.strategies.checkpoint import EngineCheckpoint, save_directory
 VOCAB = 8192
 SEQ = 128
 BUCKET_MB = 0.25
+SPEED_BUCKETS_MB = (1.0, BUCKET_MB)  # tokens/s: 7 buckets (as a large model has), then 28
 MiB = 2**20
 
 
@@ -100,8 +104,8 @@ def _plain_peak(passes: int) -> int:
     return memory.peak_bytes
 
 
-def _engine(model: Transformer, stage: int) -> GradientEngine:
-    return GradientEngine(model.named_parameters(), stage=stage, bucket_size_mb=BUCKET_MB)
+def _engine(model: Transformer, stage: int, bucket_mb: float = BUCKET_MB) -> GradientEngine:
+    return GradientEngine(model.named_parameters(), stage=stage, bucket_size_mb=bucket_mb)
 
 
 def _engine_peak(stage: int, passes: int) -> tuple[int, int]:
@@ -115,10 +119,20 @@ def _engine_peak(stage: int, passes: int) -> tuple[int, int]:
     return memory.peak_bytes, engine.num_buckets
 
 
-def _tokens_per_s(stage: int, steps: int) -> float:
+def _speeds(steps: int, rounds: int = 5) -> dict[tuple[float, int], float]:
+    """Median tokens/s of DDP and ZeRO-2 per bucket size, the runs interleaved."""
+    runs: dict[tuple[float, int], list[float]] = {}
+    for _ in range(rounds):
+        for mb in SPEED_BUCKETS_MB:
+            for stage in (0, 2):
+                runs.setdefault((mb, stage), []).append(_tokens_per_s(stage, steps, mb))
+    return {key: statistics.median(values) for key, values in runs.items()}
+
+
+def _tokens_per_s(stage: int, steps: int, bucket_mb: float) -> float:
     torch.manual_seed(0)
     model = Transformer(_config())
-    engine = _engine(model, stage)
+    engine = _engine(model, stage, bucket_mb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine.attach(optimizer)
     for step in range(steps + 2):
@@ -140,7 +154,7 @@ def _zero(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             peak, buckets = _engine_peak(stage, passes)
             out[(stage, passes)] = peak - plain
             out["buckets"] = buckets
-    out["tokens_per_s"] = {stage: _tokens_per_s(stage, args.steps) for stage in (0, 2)}
+    out["tokens_per_s"] = _speeds(args.steps)
     return out
 
 
@@ -280,7 +294,7 @@ def _checkpoints(rank: int, world: int, root: str) -> dict[str, tuple[int, float
     def save_sharded() -> None:
         checkpoint = {"state_dict": model.state_dict()}
         checkpoint["optimizer_states"] = [sharded.optimizer_state(optimizer)]
-        save_directory(checkpoint, path, write_metadata=rank == 0)
+        save_directory(checkpoint, path, rank == 0, engine.bucket_bytes)
 
     def save_single() -> None:
         whole = engine.optimizer_state_dict(optimizer)  # gathered to rank 0
@@ -388,10 +402,13 @@ def _zero_table(ranks: list[dict[str, Any]], world: int) -> str:
             cells += [f"{peak / MiB:.2f}", f"{peak / base:.2f}x"]
         rows.append(f"| {names[stage]} | " + " | ".join(cells) + " |")
     speed = rank0["tokens_per_s"]
-    rows += [
-        "",
-        f"tokens/s: DDP {speed[0]:,.0f}, ZeRO-2 {speed[2]:,.0f}, ratio {speed[2] / speed[0]:.2f}x",
-    ]
+    rows.append("")
+    for mb in SPEED_BUCKETS_MB:
+        ddp, zero2 = speed[(mb, 0)], speed[(mb, 2)]
+        rows.append(
+            f"tokens/s with {mb:g} MiB buckets (median of 5 interleaved runs): DDP"
+            f" {ddp:,.0f}, ZeRO-2 {zero2:,.0f}, ratio {zero2 / ddp:.2f}x"
+        )
     return "\n".join(rows)
 
 

@@ -5,7 +5,7 @@ tensor-parallel shards, FSDP2 shards) must still start from the weights one proc
 draw. Drawing from the global generator in module order cannot do that: a rank would
 have to draw every other rank's numbers first. Here each parameter's values depend only
 on ``(seed, key, position)``: the whole tensor is cut into chunks of :data:`CHUNK`
-elements in flat order, chunk ``c`` is drawn by a CPU generator seeded from
+elements in flat order, chunk ``c`` is drawn by a generator seeded from
 ``(seed, key, c)``, and a rank generates just the chunks that overlap its shard (all of
 them for a column shard, one chunk in memory at a time) and copies the overlap. One
 process, any pipeline split and any tp/FSDP2 sharding therefore get the same values.
@@ -17,7 +17,7 @@ both places), ``seed`` is drawn once per model from the global generator, so
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 
 import torch
 from torch import Tensor
@@ -34,8 +34,10 @@ def draw_seed() -> int:
 
 
 def chunk_seed(seed: int, key: str, chunk: int) -> int:
-    """The generator seed of chunk ``chunk`` of the parameter called ``key``."""
-    return (seed ^ (zlib.crc32(f"{key}#{chunk}".encode()) << 20)) % 2**63
+    """The generator seed of chunk ``chunk`` of the parameter called ``key`` (a 63-bit hash:
+    an 8B model's ~8,000 chunks, or a 405B model's, never share one)."""
+    digest = hashlib.blake2b(f"{seed}/{key}#{chunk}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @torch.no_grad()
@@ -43,8 +45,9 @@ def seeded_normal_(param: Tensor, std: float, seed: int, key: str, mean: float =
     """Fill ``param`` (a tensor, or a DTensor: only its local shard is written) with
     normal(``mean``, ``std``) values that depend only on ``seed``, ``key`` and position.
 
-    Values are drawn in fp32 on the CPU and copied (cast) into the parameter, so every
-    device and dtype starts from the same numbers.
+    Values are drawn in fp32 by a generator on the parameter's device (CUDA draws its
+    chunks there) and cast into the parameter: every layout on one device type starts from
+    the same numbers, whatever the dtype.
     """
     local, box = local_box(param)
     normal_box_(local, box, tuple(param.shape), std, seed, key, mean)
@@ -69,8 +72,9 @@ def normal_box_(
     for chunk in range(first // CHUNK, last // CHUNK + 1):
         start = chunk * CHUNK
         length = min(CHUNK, _numel(shape) - start)
-        generator = torch.Generator().manual_seed(chunk_seed(seed, key, chunk))
-        values = torch.empty(length).normal_(mean, std, generator=generator)
+        device = local.device if local.device.type == "cuda" else torch.device("cpu")
+        generator = torch.Generator(device).manual_seed(chunk_seed(seed, key, chunk))
+        values = torch.empty(length, device=device).normal_(mean, std, generator=generator)
         position = 0
         for piece in flat_boxes(shape, start, length):
             size = _numel(piece[1])

@@ -43,6 +43,18 @@ _ADOPT_STORAGE = (
 )
 
 
+def _storage_ptrs(value: Any) -> set[int]:
+    """Addresses of the storages ``value`` (a tensor, a DTensor's local shard) holds."""
+    if not isinstance(value, Tensor) or value.is_meta:
+        return set()
+    if is_traceable_wrapper_subclass(value):
+        return {
+            p for attr in value.__tensor_flatten__()[0] for p in _storage_ptrs(getattr(value, attr))
+        }
+    ptr = value.untyped_storage().data_ptr()
+    return {ptr} if ptr else set()
+
+
 class LiveTensorMemory(TorchDispatchMode):
     """Bytes of live tensor storage on one device type (``"cpu"`` by default), with the peak.
 
@@ -73,18 +85,24 @@ class LiveTensorMemory(TorchDispatchMode):
         self.peak_bytes = self.live_bytes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        inputs = tree_flatten((args, kwargs))[0]
+        held = {ptr for value in inputs for ptr in _storage_ptrs(value)}  # before the op
         out = func(*args, **(kwargs or {}))
         schema = func._schema
-        # An output that aliases an input (a view, an in-place or `out=` result) is no new
-        # allocation: only storages already counted are re-measured (resize_ can grow one).
+        # An output that aliases an input (a view, an in-place or `out=` result, or an input
+        # a mutating op hands back, as `_foreach_add_` and c10d collectives do without
+        # saying so in their schema) is no new allocation...
         aliasing = any(ret.alias_info is not None for ret in schema.returns)
         # ...except a tensor adopting a fresh storage: how torch.load (and so DCP's reader)
         # materializes what it reads.
         aliasing = aliasing and func not in _ADOPT_STORAGE
-        touched = tree_flatten((out, args, kwargs) if schema.is_mutable else out)[0]
-        for value in touched:
+        for value in tree_flatten(out)[0]:
             if isinstance(value, Tensor):
-                self._see(value, new=not aliasing)
+                self._see(value, new=not aliasing and not (_storage_ptrs(value) & held))
+        if schema.is_mutable:  # re-measure what it changed in place (resize_ can grow one)
+            for value in inputs:
+                if isinstance(value, Tensor):
+                    self._see(value, new=False)
         return out
 
     def _see(self, tensor: Tensor, new: bool = True) -> None:

@@ -14,11 +14,12 @@ stage, and in one process. Nothing is gathered to one rank:
   DCP's planner reads the overlapping parts of whatever chunks the saving layout wrote
   (resharding). A tied head's state is found under either name of the pair.
 - **Memory.** The boxes are views of the optimizer's own flat state tensors (on load, of
-  the tensors that become its state). A save writes one file per chunk, so DCP's writer
-  (which copies a view before writing it and keeps what it wrote until the file closes)
-  holds at most two chunks; a load reads one chunk at a time
-  (:class:`ChunkByChunkReader`). A chunk is at most one parameter (or one rank's range of
-  it), so a save or load adds at most one gradient bucket to the peak.
+  the tensors that become its state). A save writes files of at most one gradient bucket
+  (:class:`BoundedFileWriter`: DCP's writer keeps what it wrote until the file closes),
+  so it adds at most one bucket to the peak. A load reads one saved chunk at a time
+  (:class:`ChunkByChunkReader`); a chunk is what one saving rank held of one parameter,
+  so loading a checkpoint saved by the same or a larger layout adds at most one bucket,
+  and one saved by fewer ranks (or an older whole-tensor one) up to one whole parameter.
 - **Older checkpoints.** Whole tensors (tp == 1) are single chunks and load the same way;
   the per-rank byte streams that tp > 1 runs wrote before load under the layout that
   saved them.
@@ -56,11 +57,14 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     LoadPlanner,
+    SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.optim import Optimizer
 
@@ -173,6 +177,49 @@ class ShardLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+DEFAULT_FILE_BYTES = 25 * 2**20
+"""Largest checkpoint file a rank writes (the gradient engine's default bucket size)."""
+
+
+class BoundedFileWriter(FileSystemWriter):
+    """DCP's file writer, in files of at most ``file_bytes`` each (a larger chunk alone).
+
+    DCP's writer keeps every tensor it wrote to a file (and the copy it makes of a view,
+    such as a parameter inside a gradient bucket) until the file is closed: one file per
+    rank would hold the rank's whole share in memory, one file per chunk would make
+    thousands of files. Files of a bucket's size bound both.
+    """
+
+    def __init__(self, path: Path, file_bytes: int = DEFAULT_FILE_BYTES) -> None:
+        super().__init__(path, single_file_per_rank=True, thread_count=1)
+        self.file_bytes = file_bytes
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix, results = plan.storage_data.prefix, []
+        for index, items in enumerate(_by_size(plan.items, self.file_bytes)):
+            storage = dataclasses.replace(plan.storage_data, prefix=f"{prefix}{index}_")
+            part = dataclasses.replace(plan, items=items, storage_data=storage)
+            results += super().write_data(part, planner).wait()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+
+def _by_size(items: list[WriteItem], limit: int) -> list[list[WriteItem]]:
+    """Consecutive groups of ``items`` of at most ``limit`` bytes (a larger item alone)."""
+    groups: list[list[WriteItem]] = [[]]
+    size = 0
+    for item in items:
+        data = item.tensor_data
+        nbytes = 0 if data is None else math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
+
+
 class ChunkByChunkReader(FileSystemReader):
     """DCP's file reader, handed one read at a time: the stock loop keeps the chunk it
     read last alive while it reads the next, so two saved chunks would meet in memory."""
@@ -198,24 +245,29 @@ def _take_boxes(
             state[key] = None
 
 
-def save_directory(checkpoint: dict[str, Any], path: Path, write_metadata: bool) -> None:
+def save_directory(
+    checkpoint: dict[str, Any],
+    path: Path,
+    write_metadata: bool,
+    file_bytes: int = DEFAULT_FILE_BYTES,
+) -> None:
     """Write Lightning's ``checkpoint`` dict as a DCP directory at ``path``.
 
     Model and optimizer tensors go shard by shard from every rank (the optimizer states are
     :meth:`EngineCheckpoint.optimizer_state`'s); the rest (loops, callbacks,
     hyperparameters) goes to the metadata file, written by the rank with
-    ``write_metadata``. Every rank calls this.
+    ``write_metadata``, which also replaces a single-file checkpoint at ``path``. Each
+    rank's files hold at most ``file_bytes`` (or one larger chunk). Every rank calls this.
     """
-    if path.is_file():
+    if write_metadata and path.is_file():
         path.unlink()
+    if dist.is_initialized():
+        dist.barrier()  # the file is gone before any rank makes the directory
     path.mkdir(parents=True, exist_ok=True)
     state = {"state_dict": checkpoint.pop("state_dict")}
     for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{i}"] = optimizer_state
-    # One file per chunk: DCP's writer keeps every tensor it wrote to a file (and the copy
-    # it makes of a view, such as a parameter inside a gradient bucket) until that file is
-    # closed, so one file per rank would hold this rank's whole share in memory.
-    writer = FileSystemWriter(path, single_file_per_rank=False)
+    writer = BoundedFileWriter(path, file_bytes)
     dcp.save(state, storage_writer=writer, planner=ShardSavePlanner())
     if write_metadata:
         torch.save(checkpoint, path / _METADATA_FILENAME)
@@ -226,6 +278,22 @@ def load_weights(path: Path, model: nn.Module, weights_only: bool | None = None)
     optimizer exists); returns the rest of the checkpoint from its metadata file."""
     _load_into(model, {"state_dict": get_model_state_dict(model)}, path)
     return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+def read_weights(path: Path) -> dict[str, Tensor]:
+    """The whole model weights of the DCP directory ``path`` by full name, in this process
+    (``generate``, exporting): only the ``state_dict`` entries are read, never the optimizer
+    state, and nothing is unpickled but DCP's own metadata."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    prefix = "state_dict."
+    weights = {
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in saved.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    state = {"state_dict": weights}
+    dcp.load(state, storage_reader=ChunkByChunkReader(path), planner=ShardLoadPlanner())
+    return state["state_dict"]
 
 
 def _load_into(model: nn.Module, state: dict[str, Any], path: Path) -> None:
@@ -308,13 +376,19 @@ class EngineCheckpoint:
         tensors keyed by the shard parameters they become the state of."""
         groups = _saved_groups(saved, prefix + "param_groups.")
         if not groups:
-            if prefix + self._shard_key not in saved:
+            if prefix + self._shard_key in saved:  # an older tp > 1 per-rank byte stream
+                return {self._shard_key: None}, {}
+            if any(key.startswith(prefix + "rank") for key in saved):
                 raise ValueError(
-                    f"The checkpoint's optimizer state was saved per rank by a layout with"
-                    f" tensor_parallel > 1 and has no entry {self._shard_key!r} for this rank;"
+                    "The checkpoint's optimizer state was saved per rank by an older"
+                    " plugintrain with tensor_parallel > 1 and has none for this rank;"
                     " resume it with the layout that saved it."
                 )
-            return {self._shard_key: None}, {}
+            raise ValueError(
+                f"The checkpoint holds no optimizer state for {prefix.rstrip('.')} (saved"
+                " weights-only, or with fewer optimizers); resume from a full checkpoint or"
+                " load only its weights."
+            )
         state: dict[str, dict[str, Any]] = {}
         targets: dict[Tensor, dict[str, Tensor]] = {}
         for owned in self.engine.owned_slices(optimizer):

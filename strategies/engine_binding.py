@@ -97,10 +97,19 @@ class EngineBinding:
         assert self._checkpoint is not None, "no engine installed"
         return self._checkpoint.optimizer_state(unwrap_optimizer(optimizer))
 
-    @staticmethod
-    def save(checkpoint: dict[str, Any], path: Path, write_metadata: bool) -> None:
-        """Write Lightning's checkpoint dict as a DCP directory, every rank its shards."""
-        save_directory(checkpoint, path, write_metadata)
+    def save(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any, write_metadata: bool
+    ) -> None:
+        """Write Lightning's checkpoint dict as a DCP directory at ``path`` (the same on every
+        rank), every rank its shards, in files of at most one bucket."""
+        if storage_options is not None:
+            raise TypeError(f"{self.owner} does not take `storage_options`.")
+        if "://" in str(path):
+            raise ValueError(
+                f"{self.owner} writes each rank's shards to a directory every rank can reach;"
+                f" got the remote path {str(path)!r}: save to a local or mounted filesystem."
+            )
+        save_directory(checkpoint, Path(path), write_metadata, self.engine.bucket_bytes)
 
     def load(
         self,

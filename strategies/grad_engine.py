@@ -45,14 +45,14 @@ PARAMETER_SERVER: Final = "parameter_server"
 Stage: TypeAlias = Literal[0, 1, 2, "parameter_server"]
 STAGES: Final[tuple[Stage, ...]] = (0, 1, 2, PARAMETER_SERVER)
 
-# Optimizers whose update of an element reads only that element's gradient and state, so
-# stepping slices on different ranks equals stepping the whole tensor on one.
 # ZeRO-2 completes a bucket's reduce-scatter (and frees its full gradients) before it
 # starts the next one's, so during backward a rank holds its 1/N shard plus two full
 # buckets: the one on the network and the one filling. The earlier reduce-scatter had the
 # whole time of filling the next bucket to finish, so backward rarely waits.
 MAX_FULL_BUCKETS_IN_FLIGHT: Final = 1
 
+# Optimizers whose update of an element reads only that element's gradient and state, so
+# stepping slices on different ranks equals stepping the whole tensor on one.
 ELEMENTWISE_OPTIMIZERS: set[type[Optimizer]] = {
     torch.optim.SGD,
     torch.optim.Adam,
@@ -118,18 +118,23 @@ def assign_buckets(params: list[Tensor], bucket_size_mb: float) -> list[list[int
 
     Parameters are taken in reverse, the order backward produces their gradients (as torch
     DDP does), so the first bucket fills first and its reduction overlaps the rest of
-    backward. A bucket closes once it reaches the size; one parameter never splits.
+    backward. A bucket closes once it reaches the size, or before a parameter that would
+    take it past the size: one parameter never splits, and one larger than the size sits
+    alone (its bucket then adopts its storage instead of copying it).
     """
     limit = bucket_size_mb * 2**20
     buckets: list[list[int]] = []
     open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
     for index in reversed(range(len(params))):
         param = params[index]
+        nbytes = _local(param).numel() * param.element_size()
         indices, size = open_by_dtype.get(param.dtype, ([], 0))
+        if indices and size + nbytes > limit:
+            indices, size = [], 0
         if not indices:
             buckets.append(indices)
         indices.append(index)
-        size += _local(param).numel() * param.element_size()
+        size += nbytes
         open_by_dtype[param.dtype] = ([], 0) if size >= limit else (indices, size)
     return buckets
 
@@ -654,6 +659,11 @@ class GradientEngine:
         return len(self._buckets)
 
     @property
+    def bucket_bytes(self) -> int:
+        """Bytes of the largest bucket's parameters."""
+        return max(b.params.numel() * b.params.element_size() for b in self._buckets)
+
+    @property
     def bucket_numels(self) -> list[int]:
         """Padded element count of each bucket, in reduction order."""
         return [bucket.params.numel() for bucket in self._buckets]
@@ -712,13 +722,9 @@ class GradientEngine:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradient accumulation: backward passes here do not finish the reduction.
-
-        Stages 0, 1 and the parameter server accumulate whole gradients locally and
-        communicate nothing; stage 2 reduce-scatters each pass's buckets into the 1/N shard
-        and frees them (DeepSpeed's way), so accumulation keeps its memory bound. The last
-        pass, outside this context, finishes and exposes the gradients.
-        """
+        """Gradient accumulation: backward passes here do not finish the reduction (stages
+        0, 1, parameter server: local sums, no communication; stage 2 reduce-scatters each
+        pass into the 1/N shard and frees the buckets, DeepSpeed's way)."""
         previous, self._sync_grads = self._sync_grads, False
         try:
             yield
@@ -795,12 +801,8 @@ class GradientEngine:
                 work.wait()
 
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
-        """How the gradients of ``parameters`` (the optimizer's shards) lie across the group.
-
-        Stage 0 gradients are replicated on every rank; stage 1/2 and parameter-server
-        shards are disjoint, so each counts once (see :class:`plugintrain.distributed.
-        GradientLayout`).
-        """
+        """How the gradients of ``parameters`` (the optimizer's shards) lie across the group:
+        replicated on every rank at stage 0, disjoint shards otherwise."""
         replicas = self.world_size if self._scheme.replicated else 1
         pieces = [GradientPiece(p.grad, replicas) for p in parameters if p.grad is not None]
         group = self.process_group or dist.group.WORLD

@@ -301,11 +301,10 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
     ) -> None:
-        if not self._binding.bound or not self._save_distributed_checkpoint:
+        if not self._binding.bound:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take `storage_options`.")
-        self._binding.save(checkpoint, Path(self.broadcast(filepath)), self.global_rank == 0)
+        path = self.broadcast(filepath)
+        self._binding.save(checkpoint, path, storage_options, self.global_rank == 0)
 
     @override
     def load_checkpoint(

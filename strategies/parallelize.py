@@ -140,8 +140,11 @@ def prepare_model(
 
 def builds_on_meta(module: Any) -> bool:
     """Whether ``module`` can be built on the meta device and initialized shard by shard:
-    it implements :class:`~plugintrain.distributed.ShardFirstModule` (``init_weights``)."""
-    return callable(getattr(module, "init_weights", None))
+    it implements :class:`~plugintrain.distributed.ShardFirstModule`. Asked before
+    ``configure_model``, so ``init_seed`` counts as a class attribute (``CausalLM``'s
+    property, whose value exists only once the model is built) or an instance one."""
+    has_seed = hasattr(type(module), "init_seed") or "init_seed" in vars(module)
+    return callable(getattr(type(module), "init_weights", None)) and has_seed
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

@@ -258,6 +258,7 @@ class PipelineExecutor:
         self.stages = stages
         self.pp, self.vpp, self.rank = pp, vpp, rank
         self.train_schedule = build_schedule(schedule, pp, vpp, microbatches)
+        self._releases: dict[tuple, dict[int, list[Message]]] = {}
         self.group = group
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
         self.loss_fn = loss_fn
@@ -382,7 +383,10 @@ class PipelineExecutor:
         stash: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         losses: list[Tensor] = []
         self.peak_stashed = 0
-        releases = release_points(schedule, self.rank)
+        key = (schedule.name, schedule.microbatches, schedule.forward_only)
+        if key not in self._releases:  # the schedule's, computed once
+            self._releases[key] = release_points(schedule, self.rank)
+        releases = self._releases[key]
         try:
             for index, action in enumerate(schedule.actions[self.rank]):
                 if action.kind == "F":

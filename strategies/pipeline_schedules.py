@@ -23,6 +23,7 @@ The generators are the textbook ones:
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -485,15 +486,30 @@ def release_points(schedule: Schedule, rank: int) -> dict[int, list[Message]]:
             if sent is not None:
                 sent_from[r].append((index, sent))
     releases: dict[int, list[Message]] = defaultdict(list)
+    answers: dict[int, tuple[list[int], list[int]]] = {}
     for _index, message in sent_from[rank]:
         if s.forward_only and message[0] == "B":
             continue
         peer, consumed_at = receiver_index[message]
-        answers = [
-            receiver_index[reply][1]
-            for index, reply in sent_from[peer]
-            if index >= consumed_at and _destination(s, reply) == rank
-        ]
-        if answers:
-            releases[min(answers)].append(message)
+        if peer not in answers:
+            answers[peer] = _answers(s, sent_from[peer], receiver_index, rank)
+        sent_at, first_received = answers[peer]
+        k = bisect.bisect_left(sent_at, consumed_at)
+        if k < len(sent_at):
+            releases[first_received[k]].append(message)
     return dict(releases)
+
+
+def _answers(
+    s: Schedule,
+    peer_sends: list[tuple[int, Message]],
+    receiver_index: dict[Message, tuple[int, int]],
+    rank: int,
+) -> tuple[list[int], list[int]]:
+    """The action indices at which a peer sends to ``rank`` and, for each, the earliest of
+    ``rank``'s receives among that send and the later ones (a suffix minimum)."""
+    replies = [(i, receiver_index[m][1]) for i, m in peer_sends if _destination(s, m) == rank]
+    first_received = [index for _, index in replies]
+    for k in range(len(first_received) - 2, -1, -1):
+        first_received[k] = min(first_received[k], first_received[k + 1])
+    return [i for i, _ in replies], first_received

@@ -131,18 +131,17 @@ class _GradientEngineStrategy(DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
         if not self._binding.bound:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} does not take `storage_options`.")
-        path = Path(self.broadcast(str(filepath)))
-        self._binding.save(checkpoint, path, write_metadata=self.is_global_zero)
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = self.broadcast(filepath)
+        self._binding.save(checkpoint, path, storage_options, self.is_global_zero)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            return super().load_checkpoint(path, weights_only)  # a single-file checkpoint
+        self._loaded_directory = False
+        checkpoint_path = self.broadcast(checkpoint_path)
+        if "://" in str(checkpoint_path) or not Path(checkpoint_path).is_dir():
+            return super().load_checkpoint(checkpoint_path, weights_only)  # a single file
+        path = Path(checkpoint_path)
         assert self.model is not None
         self._loaded_directory = True
         if not self._binding.bound:  # evaluating: weights only

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,9 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 def load_causal_lm(path: str | Path) -> CausalLM:
     """A CausalLM from a checkpoint file, or from a distributed (DCP) checkpoint directory.
 
-    A DCP directory (hybrid, pipeline strategies) holds every parameter under its
-    full-model name, spread over the ranks' shard files; it is merged into one state dict
-    on the CPU, whatever the layout that wrote it.
+    A DCP directory (every plugintrain strategy but Lightning's own) holds every parameter
+    under its full-model name, spread over the ranks' shard files; the weights are read
+    into one state dict on the CPU, whatever the layout that wrote them.
     """
     import torch
     from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -78,15 +77,11 @@ def load_causal_lm(path: str | Path) -> CausalLM:
 
 
 def dcp_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """The model weights of a DCP checkpoint directory, merged on the CPU by full name."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The model weights of a DCP checkpoint directory by full name, on the CPU (only the
+    weights are read, never the optimizer state)."""
+    from plugintrain.strategies.checkpoint import read_weights
 
-    with tempfile.TemporaryDirectory() as tmp:
-        merged = Path(tmp) / "merged.pt"
-        dcp_to_torch_save(path, merged)
-        # Our own file, which also holds ZeRO optimizer shards as pickled byte streams.
-        return torch.load(merged, weights_only=False)["state_dict"]
+    return read_weights(Path(path))
 
 
 def main(argv: Sequence[str]) -> int:

@@ -100,7 +100,7 @@ def main() -> None:
     trainer.fit(model, _data(args.devices), val, ckpt_path=args.resume)
     out = {"losses": recorder.losses, "logged": "train_loss" in trainer.callback_metrics}
     if args.validate:  # evaluation loads only the weights of a checkpoint directory
-        out["val_epochs"] = recorder.val_losses
+        out["val_epochs"] = list(recorder.val_losses)  # before validate() adds one
         out["val_ckpt"] = trainer.validate(model, val, args.validate)[0]["val_loss"]
     if trainer.is_global_zero:
         args.out.write_text(json.dumps(out))

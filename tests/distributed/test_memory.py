@@ -151,7 +151,7 @@ def _checkpoint_peaks(rank: int, world_size: int, path: Path) -> dict[str, int]:
         before = memory.live_bytes
         checkpoint = {"state_dict": model.state_dict()}
         checkpoint["optimizer_states"] = [saving.optimizer_state(optimizer)]
-        save_directory(checkpoint, path, write_metadata=rank == 0)
+        save_directory(checkpoint, path, rank == 0, file_bytes=CHECKPOINT_BUCKET)
         saved = memory.peak_bytes - before
         del checkpoint
         memory.reset_peak()

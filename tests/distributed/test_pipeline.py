@@ -275,10 +275,11 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def _tolerance(case: Case) -> dict[str, float]:
-    if case.tp > 1 and case.precision != "32-true":
-        # Row-parallel Linears round each rank's partial product to bf16 before the tp
-        # all-reduce; one process rounds the whole sum once. The first loss already
-        # differs by ~5e-6 relative: a bf16-level, not an fp32-level, difference.
+    if case.precision != "32-true":
+        # Low-precision matmuls round their fp32 accumulations to bf16/fp16, and where that
+        # accumulation splits (tp's partial products, the CPU kernel's threads: one per rank
+        # here, more in the reference process) the roundings differ: a bias that sums a
+        # micro-batch's gradients then differs by ~2e-5 after three steps. bf16-level.
         return {"rtol": 1e-3, "atol": 1e-4}
     return {"rtol": 1e-4, "atol": 1e-5}
 

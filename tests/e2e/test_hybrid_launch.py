@@ -107,8 +107,11 @@ def test_weights_match_single_process_fit(
     )["state_dict"]
     hybrid = dcp_state_dict(single_node / NAME / "checkpoints" / "last.ckpt")
     assert set(hybrid) <= set(single)
+    # tp sums row-parallel partial products in another order than one process (last-bit
+    # fp32 differences); AdamW's normalized steps grow them to ~1e-5 where a gradient is
+    # near zero, so the weights are compared at 1e-4 (a wrong step is ~lr = 1e-3 or more).
     for name, weight in hybrid.items():
-        torch.testing.assert_close(weight, single[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(weight, single[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
 def _torchrun_node(
