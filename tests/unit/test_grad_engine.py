@@ -228,3 +228,19 @@ def test_block_backward_sync_accumulates_without_communicating() -> None:
         model(torch.randn(4, 5)).sum().backward()
     assert strategy.engine.grad_bytes() > strategy.engine._buckets[0].shard_grads.numel() * 4
     assert all(bucket.work is None for bucket in strategy.engine._buckets)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_sharded_save_refuses_a_remote_path_before_writing(tmp_path) -> None:
+    from plugintrain.strategies.engine_binding import EngineBinding
+
+    model = _mlp()
+    binding = EngineBinding("ZeroStrategy")
+    binding.install(GradientEngine(model.named_parameters(), stage=1))
+    with pytest.raises(ValueError, match="save to a local or mounted filesystem"):
+        binding.save({"state_dict": model.state_dict()}, "s3://bucket/last.ckpt", None, True)
+    with pytest.raises(TypeError, match="does not take `storage_options`"):
+        binding.save({"state_dict": model.state_dict()}, tmp_path / "c", {"x": 1}, True)
+    # The hint's fix works: a local directory is written.
+    binding.save({"state_dict": model.state_dict()}, tmp_path / "c", None, True)
+    assert (tmp_path / "c" / ".metadata").is_file()
