@@ -152,10 +152,11 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     split and sharding) on ``device`` and initialize it with ``module.init_weights()``.
 
     Allocates nothing beyond what the rank keeps, plus the initializer's one chunk at a
-    time. A module with no meta tensors is left as it is.
+    time. A module with no meta tensors is left as it is, and one without ``init_weights``
+    to Lightning (which calls each submodule's ``reset_parameters``).
     """
     tensors = itertools.chain(module.parameters(), module.buffers())
-    if not any(tensor.is_meta for tensor in tensors):
+    if not callable(getattr(module, "init_weights", None)) or not any(t.is_meta for t in tensors):
         return
     if hasattr(module, "init_seed") and dist.is_initialized():  # rank 0's weights everywhere
         seed = [module.init_seed]
