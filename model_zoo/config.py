@@ -176,6 +176,14 @@ class TransformerConfig:
         return 4 * self.n_embd if self.intermediate_size is None else self.intermediate_size
 
     @classmethod
+    def from_dict(cls, fields: dict[str, object]) -> TransformerConfig:
+        """The config whose fields ``dataclasses.asdict`` gave (``rope_scaling`` too)."""
+        scaling = fields.get("rope_scaling")
+        if isinstance(scaling, dict):
+            fields = {**fields, "rope_scaling": RopeScaling(**scaling)}
+        return cls(**fields)
+
+    @classmethod
     def from_name(cls, name: str, **overrides: object) -> TransformerConfig:
         """Return the preset called ``name`` with some fields replaced.
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,37 @@ class ChunkByChunkReader(FileSystemReader):
         return done
 
 
+HPARAMS_FILENAME = "hyper_parameters.json"
+"""The module's hyperparameters as JSON, so tools rebuild the model without unpickling."""
+
+
+def _plain_values(hparams: Any) -> dict[str, Any]:
+    """The hyperparameters JSON can hold (a dataclass as its fields); others are left out."""
+    plain = {}
+    for key, value in dict(hparams).items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        plain[key] = value
+    return plain
+
+
+def read_hparams(path: Path) -> dict[str, Any]:
+    """The hyperparameters :func:`save_directory` wrote beside the shards (JSON: no code)."""
+    file = path / HPARAMS_FILENAME
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{path} has no {HPARAMS_FILENAME} (written by plugintrain since sharded"
+            " checkpoints; its meta.pt is a pickle, which plugintrain does not load to build"
+            " a model): resume the run from it for one step to write a new checkpoint, or"
+            " pass a single-file checkpoint."
+        )
+    return json.loads(file.read_text())
+
+
 def _take_boxes(
     state: dict[str, Any], path: tuple[str, ...], taken: dict[tuple[str, ...], ShardBoxes]
 ) -> None:
@@ -271,6 +303,8 @@ def save_directory(
     dcp.save(state, storage_writer=writer, planner=ShardSavePlanner())
     if write_metadata:
         torch.save(checkpoint, path / _METADATA_FILENAME)
+        hparams = _plain_values(checkpoint.get("hyper_parameters", {}))
+        (path / HPARAMS_FILENAME).write_text(json.dumps(hparams, indent=1))
 
 
 def load_weights(path: Path, model: nn.Module, weights_only: bool | None = None) -> dict[str, Any]:

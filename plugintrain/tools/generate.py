@@ -53,10 +53,10 @@ def load_causal_lm(path: str | Path) -> CausalLM:
     under its full-model name, spread over the ranks' shard files; the weights are read
     into one state dict on the CPU, whatever the layout that wrote them.
     """
-    import torch
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-    from plugintrain.model_zoo import CausalLM
+    from plugintrain.model_zoo import CausalLM, TransformerConfig
+    from plugintrain.strategies.checkpoint import read_hparams
 
     path = Path(path)
     if not path.is_dir():
@@ -66,10 +66,11 @@ def load_causal_lm(path: str | Path) -> CausalLM:
             f"{path} is a directory without {_METADATA_FILENAME}: not a checkpoint written by"
             " `plugintrain fit`; pass its `last.ckpt` (file or directory)."
         )
-    meta = torch.load(path / _METADATA_FILENAME, weights_only=False)
     # LightningCLI adds its own entries (`_class_path`, ...) beside the arguments.
     accepted = inspect.signature(CausalLM).parameters
-    hparams = {k: v for k, v in meta["hyper_parameters"].items() if k in accepted}
+    hparams = {k: v for k, v in read_hparams(path).items() if k in accepted}
+    if isinstance(hparams.get("config"), dict):  # a config object, saved as its fields
+        hparams["config"] = TransformerConfig.from_dict(hparams["config"])
     module = CausalLM(**hparams)
     module.configure_model()
     module.load_state_dict(dcp_state_dict(path))

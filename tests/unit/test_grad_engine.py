@@ -244,3 +244,20 @@ def test_sharded_save_refuses_a_remote_path_before_writing(tmp_path) -> None:
     # The hint's fix works: a local directory is written.
     binding.save({"state_dict": model.state_dict()}, tmp_path / "c", None, True)
     assert (tmp_path / "c" / ".metadata").is_file()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_sharded_checkpoint_keeps_hyperparameters_as_json(tmp_path) -> None:
+    """Tools rebuild the model from JSON beside the shards, never from the pickled meta.pt."""
+    from plugintrain.model_zoo import TransformerConfig
+    from plugintrain.strategies.checkpoint import read_hparams, save_directory
+
+    config = TransformerConfig.from_name("llama3-debug", n_layer=2)  # with rope scaling
+    model = _mlp()
+    hparams = {"config": config, "warmup_steps": 3, "optimizer": torch.optim.AdamW}
+    save_directory({"state_dict": model.state_dict(), "hyper_parameters": hparams}, tmp_path, True)
+    saved = read_hparams(tmp_path)
+    assert saved["warmup_steps"] == 3 and "optimizer" not in saved  # code is left out
+    assert TransformerConfig.from_dict(saved["config"]) == config
+    with pytest.raises(FileNotFoundError, match=r"no hyper_parameters\.json"):
+        read_hparams(tmp_path / "elsewhere")
