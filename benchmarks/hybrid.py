@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _launch import gather
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -98,10 +99,10 @@ def _worker(rank: int, port: int, job: tuple, args: argparse.Namespace, results:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # ranks share the cores; oversubscription stalls gloo
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(minutes=5))
-    try:
-        results.put((rank, _train(*job, WORLD, args)))
-    finally:
-        dist.destroy_process_group()
+    results.put((rank, _train(*job, WORLD, args)))
+    # Only after a result: a rank that raised leaves its peers blocked in a collective, and
+    # destroying the group would wait for them; `gather` stops them instead.
+    dist.destroy_process_group()
 
 
 def _run_distributed(preset: str, tp: int, sp: bool, args: argparse.Namespace) -> list[dict]:
@@ -116,9 +117,7 @@ def _run_distributed(preset: str, tp: int, sp: bool, args: argparse.Namespace) -
     ]
     for proc in procs:
         proc.start()
-    by_rank = dict(results.get(timeout=600) for _ in procs)
-    for proc in procs:
-        proc.join()
+    by_rank = gather(results, procs, timeout=600)
     return [by_rank[r] for r in range(WORLD)]
 
 
@@ -128,13 +127,11 @@ def _run_single(preset: str, args: argparse.Namespace) -> dict:
 
     def target() -> None:
         torch.set_num_threads(1)
-        results.put(_train(preset, 1, False, 1, args))
+        results.put((0, _train(preset, 1, False, 1, args)))
 
     proc = ctx.Process(target=target)
     proc.start()
-    out = results.get(timeout=600)
-    proc.join()
-    return out
+    return gather(results, [proc], timeout=600)[0]
 
 
 def main() -> None:

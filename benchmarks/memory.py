@@ -46,6 +46,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _launch import gather
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -312,7 +313,7 @@ def _checkpoints(rank: int, world: int, root: str) -> dict[str, tuple[int, float
 def _sharded_load(
     model: Any, engine: Any, optimizer: Any, path: Path, rank: int, world: int
 ) -> None:
-    EngineCheckpoint(engine).load(path, model, [optimizer], True)
+    EngineCheckpoint(engine).load(path, model, [optimizer])
 
 
 def _single_load(model: Any, engine: GradientEngine, optimizer: Any, path: Path) -> None:
@@ -360,10 +361,10 @@ def _worker(rank: int, world: int, port: int, job: Any, args: Any, results: mp.Q
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # ranks share the cores; oversubscription stalls gloo
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    try:
-        results.put((rank, job(rank, world, args)))
-    finally:
-        dist.destroy_process_group()
+    results.put((rank, job(rank, world, args)))
+    # Only after a result: a rank that raised leaves its peers blocked in a collective, and
+    # destroying the group would wait for them; `gather` stops them instead.
+    dist.destroy_process_group()
 
 
 def _run(job: Any, world: int, args: argparse.Namespace) -> list[Any]:
@@ -377,9 +378,7 @@ def _run(job: Any, world: int, args: argparse.Namespace) -> list[Any]:
     ]
     for proc in procs:
         proc.start()
-    by_rank = dict(results.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
+    by_rank = gather(results, procs, timeout=1800)
     return [by_rank[r] for r in range(world)]
 
 

@@ -6,10 +6,10 @@ training the same model with AdamW on 2 processes::
 
     .venv/bin/python benchmarks/zero.py --models gpt2-debug llama3-debug --steps 8
 
-Each configuration runs in its own ``python benchmarks/zero.py --run ...`` process group
-(Lightning launches the second rank). Prints a markdown table: tokens/s (after warm-up
-steps) with the ratio to Lightning's ``ddp``, optimizer-state MiB per rank and peak RSS
-per rank.
+Each configuration runs in its own group of ``python benchmarks/zero.py --run ...``
+processes, one per rank, each of which must exit with 0. Prints a markdown table: tokens/s
+(after warm-up steps) with the ratio to Lightning's ``ddp``, optimizer-state MiB per rank
+and peak RSS per rank.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import argparse
 import functools
 import json
 import resource
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from _launch import run_ranks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -99,6 +98,20 @@ def _run(args: argparse.Namespace) -> None:
     result = meter.result(trainer)
     if trainer.is_global_zero:
         Path(args.out).write_text(json.dumps(result))
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Destroy the process group before Python exits (Lightning's teardown leaves it, so
+    collectives such as the meter's still work after ``fit``).
+
+    Destroying it joins gloo's worker threads while the interpreter is whole. Left alive,
+    a worker that releases a finished collective's tensors once Python has begun
+    finalizing must take the GIL for them, is ended by ``pthread_exit`` inside a
+    ``noexcept`` destructor, and the rank aborts: "terminate called without an active
+    exception" (see ``benchmarks/exit_check.py``).
+    """
+    dist.destroy_process_group()
 
 
 def _table(
@@ -142,7 +155,6 @@ def main() -> None:
             for config in args.configs:
                 out = Path(tmp) / f"{model}-{config}.json"
                 cmd = [
-                    sys.executable,
                     __file__,
                     "--run",
                     config,
@@ -159,9 +171,12 @@ def main() -> None:
                     "--seq-len",
                     str(args.seq_len),
                 ]
-                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{model} {config} failed:\n{proc.stderr[-3000:]}")
+                for rank in run_ranks(cmd, 2, cwd=tmp):
+                    if rank.returncode != 0:
+                        raise RuntimeError(
+                            f"{model} {config}: rank {rank.rank} exited {rank.returncode}:\n"
+                            f"{rank.output[-3000:]}"
+                        )
                 results[(model, config)] = json.loads(out.read_text())
                 print(model, config, results[(model, config)], flush=True)
     print(_table(results, args.models, args.configs))

@@ -12,6 +12,7 @@ from torchmetrics import Metric
 from plugintrain.model_zoo import gpt2, llama3
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.transformer import Transformer
+from plugintrain.portable_checkpoints import PortableCheckpoints
 
 # Model family -> its declarative tensor/sequence-parallel plan.
 _TP_PLANS = {"gpt2": gpt2.tp_plan, "llama3": llama3.tp_plan}
@@ -56,7 +57,7 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class CausalLM(L.LightningModule):
+class CausalLM(PortableCheckpoints, L.LightningModule):
     """A decoder-only language model trained on next-token prediction.
 
     The transformer is built in :meth:`configure_model`, so a strategy can build it on the

@@ -10,6 +10,8 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from plugintrain.portable_checkpoints import PortableCheckpoints
+
 _NUM_CLASSES = 10
 
 
@@ -35,7 +37,7 @@ def _cnn() -> nn.Sequential:
     )
 
 
-class MNISTClassifier(L.LightningModule):
+class MNISTClassifier(PortableCheckpoints, L.LightningModule):
     """Classifies 28x28 grayscale digits into 10 classes.
 
     Args:

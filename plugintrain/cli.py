@@ -7,21 +7,39 @@ Trainer. Both halves share one entry point, :func:`main`.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from jsonargparse import set_parsing_settings
+from jsonargparse.typing import import_object
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+)
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 import plugintrain.strategies  # noqa: F401  (registers zero1/zero2/... with Lightning)
-from plugintrain.callbacks import TokenThroughputMonitor
+from plugintrain.callbacks import CountedFlopsSummary, StepProgressBar, TokenThroughputMonitor
+from plugintrain.cli_usage import (
+    ConfigError,
+    check_strategy_name,
+    precision_help,
+    strategy_help,
+    user_message,
+)
+from plugintrain.data import family_tokenizer
 from plugintrain.precision_plugins import canonical_precision_name, precision_plugin_from_name
+from plugintrain.resume import checkpoint_hparams, reconcile, resolve_ckpt_path
+from plugintrain.strategies.checkpoint_io import SafeCheckpointIO
 
 # Config dataclasses document their fields with attribute docstrings; show them in --help.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -48,6 +66,15 @@ def _use_our_precision_plugin(trainer_config: dict[str, Any]) -> None:
     trainer_config["plugins"] = [*plugins, precision_plugin_from_name(name)]
 
 
+def _use_our_checkpoint_io(trainer_config: dict[str, Any]) -> None:
+    """Single-file checkpoints through :class:`SafeCheckpointIO` (atomic saves, no code run
+    on load, sharded directories readable in one process) unless one is configured."""
+    plugins = trainer_config.get("plugins") or []
+    plugins = plugins if isinstance(plugins, list) else [plugins]
+    if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+        trainer_config["plugins"] = [*plugins, SafeCheckpointIO()]
+
+
 def _shared_checkpoint_dir(logger: Any) -> str | None:
     """``<save_dir>/<name>/checkpoints`` of a configured logger, shared by its versions.
 
@@ -63,9 +90,51 @@ def _shared_checkpoint_dir(logger: Any) -> str | None:
     return str(Path(save_dir) / (getattr(init_args, "name", None) or "") / "checkpoints")
 
 
+def _fill_checkpoint_dir(config: Any) -> str | None:
+    """Set and return ModelCheckpoint's directory (the logger's shared one by default)."""
+    if config.get("checkpoint") is None:
+        return None
+    if config.checkpoint.dirpath is None:
+        config.checkpoint.dirpath = _shared_checkpoint_dir(config.trainer.logger)
+    return config.checkpoint.dirpath
+
+
 def _model_attribute(name: str) -> Callable[[Any], Any]:
     """Read ``name`` off the built model; None for models without it (e.g. MNIST)."""
     return lambda model: getattr(model, name, None)
+
+
+def _model_tokenizer(model: Any) -> str | None:
+    """The tokenizer whose ids the built model reads (its family's); None if unknown."""
+    return family_tokenizer(getattr(getattr(model, "config", None), "family", None))
+
+
+def _document_names(parser: LightningArgumentParser) -> None:
+    """Put plugintrain's strategy and precision names into ``--help``."""
+    for option, names in (
+        ("--trainer.strategy", strategy_help()),
+        ("--trainer.precision", precision_help()),
+    ):
+        action = parser._option_string_actions[option]  # argparse's only index of options
+        action.help = f"{names.replace('%', '%%')} {action.help or ''}"
+
+
+def _display_callbacks(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+    """plugintrain's progress bar and model summary, where Lightning would add its own."""
+    if config.get("barebones"):
+        return []
+    given = config.get("callbacks") or []
+    present = [*(given if isinstance(given, list) else [given]), *callbacks]
+    shown: list[Callback] = []
+    if config.get("enable_progress_bar") is not False and not any(
+        isinstance(c, ProgressBar) for c in present
+    ):
+        shown.append(StepProgressBar())
+    if config.get("enable_model_summary") is not False and not any(
+        isinstance(c, ModelSummary) for c in present
+    ):
+        shown.append(CountedFlopsSummary())
+    return shown
 
 
 class PluginTrainCLI(LightningCLI):
@@ -77,18 +146,53 @@ class PluginTrainCLI(LightningCLI):
     Checkpoints go to ``<save_dir>/<name>/checkpoints`` (shared by the logger's versions,
     so ``--ckpt_path last`` resumes the newest run). The model's ``vocab_size`` and
     ``max_seq_len`` are linked into the datamodule so token files are checked against the
-    model before training starts. ``trainer.precision``
-    names (``32-true``, ``bf16-true``, ``bf16-mixed``, ``16-mixed``) select plugintrain's
-    precision plugins, and importing this module registers plugintrain's strategy names.
+    model before training starts, and so is the tokenizer the token files were made with.
+    ``trainer.precision`` names (``32-true``, ``bf16-true``, ``bf16-mixed``, ``16-mixed``)
+    select plugintrain's precision plugins, and importing this module registers
+    plugintrain's strategy names; ``--help`` lists both.
+
+    Options are never abbreviated. A mistake found before the run is launched (parsing,
+    checks, building the classes) raises :class:`ConfigError`, whose message is one line
+    naming the value and the fix; a bug keeps its exception and traceback.
     """
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)
-        super().__init__(args=args, run=run, **kwargs)
+        self._launched = False
+        try:
+            super().__init__(args=args, run=run, **kwargs)
+        except Exception as error:
+            message = None if self._launched else user_message(error, self._option_names())
+            if message is None:
+                raise
+            raise ConfigError(message) from error
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # Abbreviations let `--trainer.max_step 3` set max_steps (jsonargparse 5 drops them);
+        # errors raise instead of printing the whole usage, for __init__ to make one line.
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("exit_on_error", False)
+        return super().init_parser(**kwargs)
+
+    def _option_names(self) -> list[str]:
+        """Every ``--option`` of the parsers built so far (for "did you mean")."""
+        parsers = [
+            getattr(self, "parser", None),
+            *getattr(self, "_subcommand_parsers", {}).values(),
+        ]
+        options = {o for p in parsers if p is not None for o in p._option_string_actions}
+        return sorted(o for o in options if o.startswith("--"))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_argument(
+            "--resume_overrides",
+            type=list[str],
+            default=[],
+            help="Model options to take from this run, not from --ckpt_path's checkpoint.",
+        )
         parser.set_defaults({"checkpoint.save_last": True})
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
@@ -100,19 +204,48 @@ class PluginTrainCLI(LightningCLI):
                 }
             }
         )
-        for name in ("vocab_size", "max_seq_len"):
+        links = {name: _model_attribute(name) for name in ("vocab_size", "max_seq_len")}
+        for name, value in {**links, "tokenizer": _model_tokenizer}.items():
             # Linked on instantiation: the value comes from the built model, so a preset
             # name and config overrides are already resolved. Datamodules without the
             # argument (MNIST) are left alone by the link.
-            parser.link_arguments(
-                "model", f"data.init_args.{name}", _model_attribute(name), apply_on="instantiate"
-            )
+            parser.link_arguments("model", f"data.init_args.{name}", value, apply_on="instantiate")
+        _document_names(parser)
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        # Replaces LightningCLI's, which unpickles the file, ignores `last` and silently
+        # trains the checkpoint's model over the options given: see plugintrain.resume.
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(str(subcommand)) if subcommand else None
+        if config is None or "ckpt_path" not in config:
+            return
+        directory = _fill_checkpoint_dir(config)
+        config.ckpt_path = resolve_ckpt_path(config.ckpt_path, directory)
+        if config.ckpt_path is not None:
+            self._resume_model_options(subcommand, config)
+
+    def _resume_model_options(self, subcommand: str, config: Any) -> None:
+        """Model options from the checkpoint where the run leaves them at their defaults;
+        an error for options it sets otherwise (unless in ``--resume_overrides``)."""
+        saved = checkpoint_hparams(config.ckpt_path)
+        model = config.get("model")
+        if not saved or model is None or model.get("init_args") is None:
+            return
+        given = model.init_args.as_dict()
+        model_class = import_object(model.class_path)
+        overrides = list(config.get("resume_overrides") or [])
+        merged = reconcile(config.ckpt_path, saved, given, model_class, overrides)
+        taken = {k: v for k, v in merged.items() if v is not given.get(k)}
+        if taken:
+            update = {subcommand: {"model": {"class_path": model.class_path, "init_args": taken}}}
+            self.config = self.parser.parse_object(update, self.config)
 
     @override
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
-        if config.get("checkpoint") is not None and config.checkpoint.dirpath is None:
-            config.checkpoint.dirpath = _shared_checkpoint_dir(config.trainer.logger)
+        check_strategy_name(config.trainer.strategy)
+        _fill_checkpoint_dir(config)
 
     @override
     def after_instantiate_classes(self) -> None:
@@ -126,7 +259,15 @@ class PluginTrainCLI(LightningCLI):
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         _use_our_precision_plugin(config)
-        return super()._instantiate_trainer(config, callbacks)
+        _use_our_checkpoint_io(config)
+        return super()._instantiate_trainer(
+            config, [*callbacks, *_display_callbacks(config, callbacks)]
+        )
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        self._launched = True  # from here on, errors are the run's, with their tracebacks
+        super()._run_subcommand(subcommand)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -139,6 +280,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args[0] in TOOLS:
         return TOOLS[args[0]](args[1:])
-    # LightningCLI reads sys.argv itself; passing it again only earns a warning.
-    PluginTrainCLI(args=None if argv is None else args)
+    try:
+        _check_command(args[0], [*PluginTrainCLI.subcommands(), *TOOLS])
+        # LightningCLI reads sys.argv itself; passing it again only earns a warning.
+        PluginTrainCLI(args=None if argv is None else args)
+    except ConfigError as error:
+        # The last line printed, and the only one: the value and the fix.
+        print(f"plugintrain {args[0]}: error: {error}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _check_command(command: str, commands: Sequence[str]) -> None:
+    if command.startswith("-") or command in commands:
+        return
+    close = difflib.get_close_matches(command, commands, n=1)
+    guess = f"; did you mean {close[0]}?" if close else ""
+    raise ConfigError(
+        f"unknown command {command!r}{guess} (`plugintrain --help` lists the commands)"
+    )

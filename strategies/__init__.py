@@ -2,7 +2,8 @@
 
 Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``zero2``,
 ``parameter_server``, ``hybrid`` and ``pipeline`` with Lightning's ``StrategyRegistry``, so
-``Trainer(strategy="zero2")`` and ``trainer.strategy: zero2`` in a recipe work.
+``Trainer(strategy="zero2")`` and ``trainer.strategy: zero2`` in a recipe work;
+:data:`STRATEGY_NAMES` lists them.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
@@ -41,19 +42,21 @@ from plugintrain.strategies.pipeline_strategy import PipelineStrategy
 from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
 from plugintrain.strategies.zero import ParameterServerStrategy, ZeroStrategy
 
-for _strategy in (
-    ZeroStrategy,
-    ParameterServerStrategy,
-    HybridParallelStrategy,
-    PipelineStrategy,
-):
+_STRATEGIES = (ZeroStrategy, ParameterServerStrategy, HybridParallelStrategy, PipelineStrategy)
+for _strategy in _STRATEGIES:
     _strategy.register_strategies(StrategyRegistry)
+
+# The short names registered above, in registration order (for help texts and errors).
+STRATEGY_NAMES: tuple[str, ...] = tuple(
+    name for name, entry in StrategyRegistry.items() if entry["strategy"] in _STRATEGIES
+)
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "PARAMETER_SERVER",
     "SCHEDULES",
     "STAGES",
+    "STRATEGY_NAMES",
     "GradientEngine",
     "HybridParallelStrategy",
     "ParallelDims",

@@ -34,13 +34,15 @@ import dataclasses
 import io
 import json
 import math
+import pickle
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from lightning.fabric.utilities.load import _METADATA_FILENAME
 from torch import Tensor, nn
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
@@ -49,8 +51,10 @@ from torch.distributed.checkpoint import (
     FileSystemWriter,
 )
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
@@ -64,12 +68,30 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.optim import Optimizer
 
+from plugintrain.checkpoint_files import (
+    LIGHTNING_METADATA,
+    PARTIAL_SUFFIX,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    check_shard_files,
+    first_line,
+    load_torch_file,
+    publish,
+    read_dcp_metadata,
+    sibling,
+    write_file_atomically,
+)
 from plugintrain.strategies.grad_engine import GradientEngine, is_elementwise
+from plugintrain.strategies.single_file_reader import SingleFileReader
 from plugintrain.strategies.tied import TiedParameters
 from plugintrain.tensor_boxes import flat_boxes, local_box
 
@@ -223,11 +245,31 @@ def _by_size(items: list[WriteItem], limit: int) -> list[list[WriteItem]]:
 
 class ChunkByChunkReader(FileSystemReader):
     """DCP's file reader, handed one read at a time: the stock loop keeps the chunk it
-    read last alive while it reads the next, so two saved chunks would meet in memory."""
+    read last alive while it reads the next, so two saved chunks would meet in memory.
+
+    Its metadata is read with an allow-listed unpickler (DCP's stock reader unpickles
+    freely), and the shard files it names are checked for length first, so a truncated
+    checkpoint is an error naming the file rather than an ``EOFError`` mid-load.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_dcp_metadata(Path(self.path))
+        check_shard_files(Path(self.path), metadata.storage_data or {})
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         for item in plan.items:
-            super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            try:
+                super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+            except pickle.UnpicklingError as error:
+                file = Path(self.path) / self.storage_data[item.storage_index].relative_path
+                raise UnsafeCheckpointError(
+                    f"{file} holds a value ({item.storage_index.fqn}) that loading would have"
+                    f" to run code for ({first_line(error)}); plugintrain loads only tensors"
+                    " and plain data: use a checkpoint plugintrain wrote."
+                ) from None
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -261,7 +303,13 @@ def read_hparams(path: Path) -> dict[str, Any]:
             " a model): resume the run from it for one step to write a new checkpoint, or"
             " pass a single-file checkpoint."
         )
-    return json.loads(file.read_text())
+    try:
+        return json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CorruptCheckpointError(
+            f"{file} is not JSON ({error}); plugintrain writes it as JSON and reads nothing"
+            " else there: resume from a checkpoint plugintrain wrote."
+        ) from None
 
 
 def _take_boxes(
@@ -283,42 +331,98 @@ def save_directory(
     write_metadata: bool,
     file_bytes: int = DEFAULT_FILE_BYTES,
 ) -> None:
-    """Write Lightning's ``checkpoint`` dict as a DCP directory at ``path``.
+    """Write Lightning's ``checkpoint`` dict as a DCP directory at ``path``, atomically.
 
     Model and optimizer tensors go shard by shard from every rank (the optimizer states are
     :meth:`EngineCheckpoint.optimizer_state`'s); the rest (loops, callbacks,
     hyperparameters) goes to the metadata file, written by the rank with
-    ``write_metadata``, which also replaces a single-file checkpoint at ``path``. Each
-    rank's files hold at most ``file_bytes`` (or one larger chunk). Every rank calls this.
+    ``write_metadata``. Everything is written to ``<path>.partial`` and that rank renames
+    it onto ``path`` (replacing an older checkpoint or single file there) only once every
+    rank's shards and the metadata are on disk. Each rank's files hold at most
+    ``file_bytes`` (or one larger chunk). Every rank calls this.
     """
-    if write_metadata and path.is_file():
-        path.unlink()
-    if dist.is_initialized():
-        dist.barrier()  # the file is gone before any rank makes the directory
-    path.mkdir(parents=True, exist_ok=True)
+    partial = sibling(path, PARTIAL_SUFFIX)
+    if write_metadata and partial.exists():
+        shutil.rmtree(partial)  # left by a save killed before it completed
+    _barrier()
+    partial.mkdir(parents=True, exist_ok=True)
     state = {"state_dict": checkpoint.pop("state_dict")}
     for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{i}"] = optimizer_state
-    writer = BoundedFileWriter(path, file_bytes)
+    writer = BoundedFileWriter(partial, file_bytes)
     dcp.save(state, storage_writer=writer, planner=ShardSavePlanner())
-    if write_metadata:
-        torch.save(checkpoint, path / _METADATA_FILENAME)
+    if write_metadata:  # DCP returns on every rank once all shards and .metadata are written
         hparams = _plain_values(checkpoint.get("hyper_parameters", {}))
-        (path / HPARAMS_FILENAME).write_text(json.dumps(hparams, indent=1))
+        write_file_atomically(partial / HPARAMS_FILENAME, lambda f: f.write(_json(hparams)))
+        write_file_atomically(partial / LIGHTNING_METADATA, lambda f: torch.save(checkpoint, f))
+        publish(partial, path)
+    _barrier()  # no rank returns (and maybe reads it) before it is in place
 
 
-def load_weights(path: Path, model: nn.Module, weights_only: bool | None = None) -> dict[str, Any]:
-    """Load only the model weights of the DCP directory ``path`` (evaluation, where no
-    optimizer exists); returns the rest of the checkpoint from its metadata file."""
-    _load_into(model, {"state_dict": get_model_state_dict(model)}, path)
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, indent=1).encode()
+
+
+def check_local_path(path: Any, owner: str) -> None:
+    """Sharded checkpoints live on a filesystem every rank reaches; refuse object stores."""
+    if "://" in str(path):
+        raise ValueError(
+            f"{owner} writes each rank's shards to a directory every rank can reach;"
+            f" got the remote path {str(path)!r}: save to a local or mounted filesystem."
+        )
+
+
+def load_dtensor_states(
+    path: Path, model: nn.Module, optimizers: Sequence[Optimizer]
+) -> dict[str, Any]:
+    """Load FSDP2's model and optimizer (DTensor states, by torch's own state-dict API)
+    from a checkpoint of any layout; returns the rest of the checkpoint."""
+    reader = open_checkpoint(path)
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+    for i, optimizer in enumerate(optimizers):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
+    _load_into(model, state, reader)
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"])
+    return read_rest(reader)
+
+
+def open_checkpoint(path: Path, fallback_names: Sequence[list[list[str]]] = ()) -> Any:
+    """A DCP reader of the checkpoint at ``path``: a sharded directory, or one torch file
+    (any layout resumes either). ``fallback_names`` name position-keyed optimizer state
+    in files that do not (see :class:`SingleFileReader`)."""
+    if path.is_dir():
+        return ChunkByChunkReader(path)
+    return SingleFileReader(path, fallback_names)
+
+
+def read_rest(reader: Any) -> dict[str, Any]:
+    """The non-tensor part of a checkpoint (loops, callbacks, hyperparameters), without
+    unpickling anything but tensors and plain data."""
+    if isinstance(reader, SingleFileReader):
+        return dict(reader.rest)
+    return load_torch_file(Path(reader.path) / LIGHTNING_METADATA)
+
+
+def load_weights(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Load only the model weights of the checkpoint at ``path`` (a DCP directory or one
+    file; evaluation, where no optimizer exists); returns the rest of the checkpoint."""
+    reader = open_checkpoint(path)
+    _load_into(model, {"state_dict": get_model_state_dict(model)}, reader)
+    return read_rest(reader)
 
 
 def read_weights(path: Path) -> dict[str, Tensor]:
     """The whole model weights of the DCP directory ``path`` by full name, in this process
     (``generate``, exporting): only the ``state_dict`` entries are read, never the optimizer
-    state, and nothing is unpickled but DCP's own metadata."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    state, and nothing is unpickled but DCP's metadata, through an allow-list."""
+    reader = ChunkByChunkReader(path)
+    saved = reader.read_metadata().state_dict_metadata
     prefix = "state_dict."
     weights = {
         key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -326,15 +430,100 @@ def read_weights(path: Path) -> dict[str, Tensor]:
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
     state = {"state_dict": weights}
-    dcp.load(state, storage_reader=ChunkByChunkReader(path), planner=ShardLoadPlanner())
+    load_dcp(state, reader)
     return state["state_dict"]
 
 
-def _load_into(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+def read_full(path: Path) -> dict[str, Any]:
+    """The DCP directory ``path`` as one process's Lightning checkpoint dict: whole weights,
+    each optimizer's whole state keyed by parameter name (see
+    :class:`~plugintrain.portable_checkpoints.PortableCheckpoints`), and the rest. For a
+    process that holds the whole model (and so its whole optimizer state) anyway."""
+    reader = ChunkByChunkReader(path)
+    state: dict[str, Any] = {"state_dict": {}}
+    for key, meta in reader.read_metadata().state_dict_metadata.items():
+        slot = None
+        if isinstance(meta, TensorStorageMetadata):
+            slot = torch.empty(meta.size, dtype=meta.properties.dtype)
+        _place(state, key, slot, path)
+    load_dcp(state, reader)
+    optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=_index)
+    optimizer_states = [state.pop(key) for key in optimizers]
+    for optimizer_state in optimizer_states:
+        groups = optimizer_state["param_groups"]
+        optimizer_state["param_groups"] = [groups[i] for i in sorted(groups, key=int)]
+    rest = read_rest(reader)
+    return {**rest, "state_dict": state["state_dict"], "optimizer_states": optimizer_states}
+
+
+def _index(key: str) -> int:
+    return int(key.split("_", 1)[1])
+
+
+def _place(state: dict[str, Any], key: str, slot: Tensor | None, path: Path) -> None:
+    """Put ``slot`` where DCP's flattened ``key`` points in the nested ``state``."""
+    head, _, tail = key.partition(".")
+    if head == "state_dict":
+        state["state_dict"][tail] = slot
+        return
+    optimizer = state.setdefault(head, {"state": {}, "param_groups": {}})
+    kind, _, tail = tail.partition(".")
+    if kind == "state":
+        name, _, entry = tail.rpartition(".")
+        optimizer["state"].setdefault(name, {})[entry] = slot
+    elif kind == "param_groups":
+        index, _, entry = tail.partition(".")
+        optimizer["param_groups"].setdefault(index, {})[entry] = slot
+    else:
+        raise ValueError(
+            f"{path} holds optimizer state saved per rank by an older plugintrain"
+            " with tensor_parallel > 1; resume it with the layout that saved it."
+        )
+
+
+def load_dcp(state: dict[str, Any], reader: Any) -> None:
+    """``dcp.load`` with our planner, raising a checkpoint error of ours as itself (DCP
+    wraps every rank's failure into one multi-line ``CheckpointException``)."""
+    try:
+        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
+    except CheckpointException as error:
+        for failure in error.failures.values():  # rank -> (exception, traceback)
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, (UnsafeCheckpointError, CorruptCheckpointError)):
+                raise cause from None
+        raise
+
+
+def _load_into(model: nn.Module, state: dict[str, Any], reader: Any) -> None:
     """Fill ``state`` (the model's state dict under ``"state_dict"``, optimizer templates)
-    from ``path``, one chunk at a time, and load the weights into ``model``."""
-    dcp.load(state, storage_reader=ChunkByChunkReader(path), planner=ShardLoadPlanner())
+    from ``reader``, one chunk at a time, and load the weights into ``model``."""
+    check_shapes(reader, state["state_dict"])
+    load_dcp(state, reader)
     model.load_state_dict(state["state_dict"])
+
+
+def check_shapes(reader: Any, model_state: dict[str, Any]) -> None:
+    """Every model tensor is in the checkpoint with the model's full shape.
+
+    Raises:
+        ValueError: One line naming the checkpoint, the first differing tensor and both
+            shapes (DCP's own error is a dump of every mismatch, or a bare assertion).
+    """
+    saved = reader.read_metadata().state_dict_metadata
+    where = getattr(reader, "path", "the checkpoint")
+    for name, tensor in model_state.items():
+        meta = saved.get(f"state_dict.{name}")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ValueError(
+                f"{where} has no weight {name!r} that the model has; was it saved from another"
+                " model? Pass the model options it was trained with (its hyper_parameters)."
+            )
+        if tuple(meta.size) != tuple(tensor.shape):
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(meta.size)} in the checkpoint and"
+                f" {tuple(tensor.shape)} in the model; build the model with the options the"
+                " checkpoint was trained with (its hyper_parameters)."
+            )
 
 
 @dataclasses.dataclass
@@ -368,25 +557,22 @@ class EngineCheckpoint:
         ]
         return {"state": state, "param_groups": groups}
 
-    def load(
-        self,
-        path: Path,
-        model: nn.Module,
-        optimizers: list[Optimizer],
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load model weights and optimizer state from the DCP directory ``path``.
+    def load(self, path: Path, model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
+        """Load model weights and optimizer state from the checkpoint at ``path`` (a DCP
+        directory of any layout, or one file).
 
         Returns:
-            The rest of the checkpoint (loops, callbacks, ...) from its metadata file.
+            The rest of the checkpoint (loops, callbacks, ...) from its metadata.
         """
-        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+        names = [[self.engine.parameter_names(optimizer)] for optimizer in optimizers]
+        reader = open_checkpoint(path, names)
+        saved = reader.read_metadata().state_dict_metadata
         state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
         shard_states = []
         for i, optimizer in enumerate(optimizers):
             state[f"optimizer_{i}"], targets = self._template(f"optimizer_{i}.", optimizer, saved)
             shard_states.append(targets)
-        _load_into(model, state, path)
+        _load_into(model, state, reader)
         for i, (optimizer, targets) in enumerate(zip(optimizers, shard_states, strict=True)):
             loaded = state[f"optimizer_{i}"]
             if self._shard_key in loaded:  # an older per-rank byte stream
@@ -395,7 +581,7 @@ class EngineCheckpoint:
                 optimizer.load_state_dict(torch.load(buffer, weights_only=True))
             else:
                 self.engine.load_shard_states(optimizer, targets, loaded["param_groups"])
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return read_rest(reader)
 
     @property
     def _shard_key(self) -> str:

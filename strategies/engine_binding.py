@@ -21,7 +21,12 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 from torch.optim import Optimizer
 
-from plugintrain.strategies.checkpoint import EngineCheckpoint, save_directory
+from plugintrain.strategies.checkpoint import (
+    DEFAULT_FILE_BYTES,
+    EngineCheckpoint,
+    check_local_path,
+    save_directory,
+)
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.tied import TiedParameters
 
@@ -104,25 +109,17 @@ class EngineBinding:
         rank), every rank its shards, in files of at most one bucket."""
         if storage_options is not None:
             raise TypeError(f"{self.owner} does not take `storage_options`.")
-        if "://" in str(path):
-            raise ValueError(
-                f"{self.owner} writes each rank's shards to a directory every rank can reach;"
-                f" got the remote path {str(path)!r}: save to a local or mounted filesystem."
-            )
-        save_directory(checkpoint, Path(path), write_metadata, self.engine.bucket_bytes)
+        check_local_path(path, self.owner)
+        # Without an engine (FSDP2, or saving outside fit): DCP's states, default file size.
+        file_bytes = self.engine.bucket_bytes if self.bound else DEFAULT_FILE_BYTES
+        save_directory(checkpoint, Path(path), write_metadata, file_bytes)
 
-    def load(
-        self,
-        path: Path,
-        model: nn.Module,
-        optimizers: Iterable[Optimizer],
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load weights and optimizer shards from the DCP directory ``path`` (any layout);
-        returns the rest of the checkpoint."""
+    def load(self, path: Path, model: nn.Module, optimizers: Iterable[Optimizer]) -> dict[str, Any]:
+        """Load weights and optimizer shards from the checkpoint at ``path`` (a DCP directory
+        of any layout, or one file); returns the rest of the checkpoint."""
         assert self._checkpoint is not None, "no engine installed"
         optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
-        return self._checkpoint.load(path, model, optimizers, weights_only)
+        return self._checkpoint.load(path, model, optimizers)
 
     def load_optimizer_states(
         self, optimizers: Iterable[Optimizer], states: Iterable[Mapping[str, Any]]

@@ -46,6 +46,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.distributed import GradientLayout
+from plugintrain.resume import init_restarted_process_group
+from plugintrain.strategies.checkpoint import load_dtensor_states
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.parallelize import (
@@ -161,6 +163,7 @@ class HybridParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        init_restarted_process_group(self._get_process_group_backend(), self._timeout)
         self._setup_distributed()
         self._device_mesh = self._layout_for(self.world_size).build_mesh(self.root_device.type)
         assert self.lightning_module is not None
@@ -301,8 +304,6 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None
     ) -> None:
-        if not self._binding.bound:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = self.broadcast(filepath)
         self._binding.save(checkpoint, path, storage_options, self.global_rank == 0)
 
@@ -310,11 +311,13 @@ class HybridParallelStrategy(ModelParallelStrategy):
     def load_checkpoint(
         self, checkpoint_path: str | Path, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if not self._binding.bound:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        # Any layout's directory or a single file; only tensors and plain data unpickled.
         assert self.model is not None
         path = Path(self.broadcast(checkpoint_path))
-        return self._binding.load(path, self.model, self.optimizers, weights_only)
+        if self._binding.bound:
+            return self._binding.load(path, self.model, self.optimizers)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return load_dtensor_states(path, self.model, self.optimizers if fitting else [])
 
     @override
     def teardown(self) -> None:

@@ -9,16 +9,25 @@ checkpoints keep their full-model paths. :class:`PipelineOptions` groups how a p
 runs (schedule, micro-batches, uneven stages, wire dtype).
 
 :class:`PipelineExecutor` runs any :class:`~plugintrain.strategies.pipeline_schedules.
-Schedule`: each action is the forward or backward of one micro-batch through one chunk;
-activations and their gradients travel by ``isend``/``irecv`` with a tag per message,
-sends are asynchronous and receives block until needed (so only a cycle of data
-dependencies can hang, which the simulator rules out; ``batch_isend_irecv`` is not used,
-as it has been reported to hang on gloo in some orders). Every message has a fixed
-shape, ``(micro-batch, sequence (/ tp with SP), hidden)``, and a fixed wire dtype, so
-bf16 autocast outputs never meet an fp32 receive buffer of another dtype. Activations
-are freed as soon as their backward has run, a sent tensor as soon as the schedule
-proves it delivered (an answer from its receiver has arrived), and gradients are received
-into one reused buffer.
+Schedule`: each action is the forward or backward of one micro-batch through one chunk.
+Activations and their gradients travel in the batches of
+:func:`~plugintrain.strategies.pipeline_schedules.p2p_plan`, each posted with one
+``batch_isend_irecv`` (a tag per message for gloo; NCCL matches each link in order):
+before each action, the send of what the previous action produced together with the
+receive this action needs (with vpp > 1 sometimes also a later action's), so two
+neighbours that send to each other at once never wait on each other, as two lone sends
+would on NCCL beyond its eager threshold (NVIDIA/nccl#479). The simulator proves these
+batches complete where every send waits for its receive (``check_rendezvous``). Every
+transfer, even a lone one, goes through ``batch_isend_irecv``, so NCCL carries them all
+on the group's one communicator, in the order the simulator checks; each rank posts its
+first batch before it waits for any other, so every rank of the group joins that
+communicator's lazy creation, which the first ``batch_isend_irecv`` needs. A batch's
+receives are waited for at once. Every message has a fixed shape, ``(micro-batch,
+sequence (/ tp with SP), hidden)``, and a fixed wire dtype, so bf16 autocast outputs
+never meet an fp32 receive buffer of another dtype. Activations are freed as soon as
+their backward has run, a sent tensor as soon as the schedule proves it delivered (an
+answer from its receiver has arrived: ``release_points``), and gradients are received
+into reused buffers (one; two where a receive comes an action early).
 """
 
 from __future__ import annotations
@@ -36,10 +45,13 @@ from plugintrain.distributed import StagedModel
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline_schedules import (
     Action,
+    Batch,
     Message,
     Schedule,
+    Transfer,
     build_schedule,
     forward_only,
+    p2p_plan,
     release_points,
 )
 from plugintrain.strategies.pipeline_schedules import validate as validate_schedule
@@ -211,6 +223,81 @@ def split_model(
     ]
 
 
+class _Wire:
+    """One rank's point-to-point traffic during a step: it posts the batches of
+    :func:`~plugintrain.strategies.pipeline_schedules.p2p_plan` and holds what is in
+    flight (tensors produced and not yet sent, received and not yet used, sends not yet
+    known to be delivered)."""
+
+    def __init__(
+        self, peers: list[int], group: dist.ProcessGroup | None, wire_dtype: torch.dtype
+    ) -> None:
+        self.peers, self.group, self.wire_dtype = peers, group, wire_dtype
+        self.outbox: dict[Message, Tensor] = {}  # produced by the last action, sent next
+        self.inbox: dict[Message, Tensor] = {}  # received, until its action takes it
+        self.sends: dict[Message, tuple[list[dist.Work], Tensor]] = {}
+        self.spare_grads: list[Tensor] = []  # gradient buffers to receive into again
+        self.wait_seconds = 0.0
+        self.microbatches = 1
+
+    def start_step(self, microbatches: int) -> None:
+        self.microbatches, self.wait_seconds = microbatches, 0.0
+        self.outbox.clear()
+        self.inbox.clear()
+
+    def tag(self, message: Message) -> int:
+        """A distinct tag per message of a step: the producing stage, micro-batch, direction
+        (gloo matches by tag; NCCL ignores tags and matches each link in order)."""
+        kind, stage, microbatch = message
+        return (stage * self.microbatches + microbatch) * 2 + (kind == "B")
+
+    def post(self, batch: Batch, shape: tuple[int, ...], device: torch.device) -> None:
+        """Post one batch with ``batch_isend_irecv`` and wait for its receives.
+
+        Gloo answers one work per transfer; NCCL coalesces the batch into one, which then
+        stands for every transfer in it. A send is waited for later (:meth:`release`).
+        """
+        if not batch:
+            return
+        ops = [self._op(t, shape, device) for t in batch]
+        works = dist.batch_isend_irecv(ops)
+        each = [[work] for work in works] if len(works) == len(ops) else [works] * len(ops)
+        start = time.perf_counter()
+        for t, op, work in zip(batch, ops, each, strict=True):
+            if t.op == "send":
+                self.sends[t.message] = (work, op.tensor)
+                continue
+            for w in work:
+                w.wait()
+            self.inbox[t.message] = op.tensor
+        self.wait_seconds += time.perf_counter() - start
+
+    def _op(self, t: Transfer, shape: tuple[int, ...], device: torch.device) -> dist.P2POp:
+        peer, tag = self.peers[t.peer], self.tag(t.message)
+        if t.op == "send":
+            wire = self.outbox.pop(t.message).detach().to(self.wire_dtype).contiguous()
+            return dist.P2POp(dist.isend, wire, peer, self.group, tag)
+        spare = self.spare_grads.pop() if t.message[0] == "B" and self.spare_grads else None
+        if spare is None or spare.shape != shape or spare.device != device:
+            spare = torch.empty(shape, dtype=self.wire_dtype, device=device)
+        return dist.P2POp(dist.irecv, spare, peer, self.group, tag)
+
+    def reuse(self, grad: Tensor) -> None:
+        """Receive a later gradient into ``grad``, which its backward has finished with."""
+        self.spare_grads.append(grad)
+
+    def release(self, messages: list[Message]) -> None:
+        """Complete and drop sends that the schedule proves delivered
+        (:func:`~plugintrain.strategies.pipeline_schedules.release_points`), so each sent
+        tensor is freed as soon as nothing else (the stash) holds it."""
+        start = time.perf_counter()
+        for message in messages:
+            works, _ = self.sends.pop(message)
+            for work in works:
+                work.wait()
+        self.wait_seconds += time.perf_counter() - start
+
+
 class PipelineExecutor:
     """Runs a schedule's actions for one pipeline rank.
 
@@ -231,9 +318,6 @@ class PipelineExecutor:
 
     Attributes:
         peak_stashed: Most micro-batch chunks held for backward during the last step.
-        wait_seconds: Seconds the last step spent blocked on communication: in the
-            ``wait()`` of each receive and of the sends completed at its end. With
-            :attr:`step_seconds` it gives the measured idle fraction, ``wait / step``.
         step_seconds: Wall time of the last step (``train_step`` or ``eval_step``).
     """
 
@@ -258,74 +342,38 @@ class PipelineExecutor:
         self.stages = stages
         self.pp, self.vpp, self.rank = pp, vpp, rank
         self.train_schedule = build_schedule(schedule, pp, vpp, microbatches)
-        self._releases: dict[tuple, dict[int, list[Message]]] = {}
+        self._plans: dict[tuple, tuple[list[Batch], dict[int, list[Message]]]] = {}
         self.group = group
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
+        self._wire = _Wire(self.peers, group, wire_dtype)
         self.loss_fn = loss_fn
         self.hidden_size = hidden_size
         self.seq_divisor = seq_divisor
-        self.wire_dtype = wire_dtype
         self.forward_context = forward_context
         self.backward_context = backward_context
         # Per step; kept as attributes so tests and benchmarks can read them.
         self.peak_stashed = 0
-        self.wait_seconds = 0.0
         self.step_seconds = 0.0
-        self._sends: dict[Message, tuple[dist.Work, Tensor]] = {}
-        self._grad_buffer: Tensor | None = None
-        self._step_microbatches = microbatches
 
     @property
     def last_rank_global(self) -> int:
         """Global rank of the pipeline rank that computes the loss."""
         return self.peers[self.pp - 1]
 
-    # ---- p2p ------------------------------------------------------------------------------
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds the last step spent blocked on communication: in the ``wait()`` of each
+        batch's receives and of the sends completed after it. With :attr:`step_seconds`
+        it gives the measured idle fraction, ``wait / step``."""
+        return self._wire.wait_seconds
 
-    def _tag(self, kind: str, stage: int, microbatch: int) -> int:
-        """A distinct tag per message of a step: the producing stage, micro-batch, direction."""
-        return (stage * self._step_microbatches + microbatch) * 2 + (kind == "B")
-
-    def _send(self, tensor: Tensor, message: Message) -> None:
-        kind, stage, _ = message
-        peer = self.peers[(stage + 1 if kind == "F" else stage - 1) % self.pp]
-        wire = tensor.detach().to(self.wire_dtype).contiguous()
-        work = dist.isend(wire, dst=peer, group=self.group, tag=self._tag(*message))
-        self._sends[message] = (work, wire)
-
-    def _release(self, messages: list[Message]) -> None:
-        """Complete and drop sends that the schedule proves delivered
-        (:func:`~plugintrain.strategies.pipeline_schedules.release_points`), so each sent
-        tensor is freed as soon as nothing else (the stash) holds it."""
-        start = time.perf_counter()
-        for message in messages:
-            work, _ = self._sends.pop(message)
-            work.wait()
-        self.wait_seconds += time.perf_counter() - start
-
-    def _recv(
-        self,
-        shape: tuple[int, ...],
-        from_stage: int,
-        tag: int,
-        device: torch.device,
-        reuse: bool = False,
-    ) -> Tensor:
-        """Receive one message; ``reuse``: into the executor's one gradient buffer, which
-        the backward that reads it has finished with before the next receive."""
-        peer = self.peers[from_stage % self.pp]
-        buffer = self._grad_buffer if reuse else None
-        if buffer is None or buffer.shape != shape or buffer.device != device:
-            buffer = torch.empty(shape, dtype=self.wire_dtype, device=device)
-            self._grad_buffer = buffer if reuse else self._grad_buffer
-        work = dist.irecv(buffer, src=peer, group=self.group, tag=tag)
-        start = time.perf_counter()
-        work.wait()
-        self.wait_seconds += time.perf_counter() - start
-        return buffer
-
-    def _wait_sends(self) -> None:
-        self._release(list(self._sends))
+    def _plan(self, schedule: Schedule) -> tuple[list[Batch], dict[int, list[Message]]]:
+        """This rank's batches and release points of ``schedule``, computed once."""
+        key = (schedule.name, schedule.microbatches, schedule.forward_only)
+        if key not in self._plans:
+            batches = p2p_plan(schedule)[self.rank]
+            self._plans[key] = batches, release_points(schedule, self.rank)
+        return self._plans[key]
 
     # ---- steps ----------------------------------------------------------------------------
 
@@ -374,8 +422,8 @@ class PipelineExecutor:
                 f" {len(inputs)}."
             )
         start = time.perf_counter()
-        self.wait_seconds = 0.0
-        self._step_microbatches = schedule.microbatches
+        wire = self._wire
+        wire.start_step(schedule.microbatches)
         b, seq_len = inputs[0].shape
         shape = (b, seq_len // self.seq_divisor, self.hidden_size)
         device = inputs[0].device
@@ -383,22 +431,19 @@ class PipelineExecutor:
         stash: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         losses: list[Tensor] = []
         self.peak_stashed = 0
-        key = (schedule.name, schedule.microbatches, schedule.forward_only)
-        if key not in self._releases:  # the schedule's, computed once
-            self._releases[key] = release_points(schedule, self.rank)
-        releases = self._releases[key]
+        batches, releases = self._plan(schedule)
         try:
             for index, action in enumerate(schedule.actions[self.rank]):
+                wire.post(batches[index], shape, device)  # the last send, this input
                 if action.kind == "F":
-                    self._forward(
-                        action, inputs, targets, shape, seq_len, device, training, stash, losses
-                    )
+                    self._forward(action, inputs, targets, seq_len, training, stash, losses)
                     self.peak_stashed = max(self.peak_stashed, len(stash))
                 else:
-                    self._backward(action, shape, device, stash, loss_scale, scale_loss)
-                self._release(releases.get(index, []))
+                    self._backward(action, stash, loss_scale, scale_loss)
+                wire.release(releases.get(index, []))
+            wire.post(batches[-1], shape, device)
         finally:
-            self._wait_sends()
+            wire.release(list(wire.sends))
             self.step_seconds = time.perf_counter() - start
         if not losses:
             return None
@@ -409,9 +454,7 @@ class PipelineExecutor:
         action: Action,
         inputs: list[Tensor],
         targets: list[Tensor],
-        shape: tuple[int, ...],
         seq_len: int,
-        device: torch.device,
         training: bool,
         stash: dict,
         losses: list[Tensor],
@@ -421,7 +464,7 @@ class PipelineExecutor:
         if stage.is_first:
             x = inputs[mb]
         else:
-            x = self._recv(shape, stage.index - 1, self._tag("F", stage.index - 1, mb), device)
+            x = self._wire.inbox.pop(("F", stage.index - 1, mb))
             x.requires_grad_(training)
         with self.forward_context():
             out = stage(x, seq_len)
@@ -430,15 +473,13 @@ class PipelineExecutor:
         if stage.is_last:
             losses.append(out.detach().float())
         else:
-            self._send(out, ("F", stage.index, mb))
+            self._wire.outbox[("F", stage.index, mb)] = out
         if training:
             stash[(action.chunk, mb)] = (None if stage.is_first else x, out)
 
     def _backward(
         self,
         action: Action,
-        shape: tuple[int, ...],
-        device: torch.device,
         stash: dict,
         loss_scale: float,
         scale_loss: Callable[[Tensor], Tensor] | None,
@@ -451,10 +492,10 @@ class PipelineExecutor:
                 loss = out * loss_scale
                 torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)
             else:
-                tag = self._tag("B", stage.index + 1, mb)
-                grad = self._recv(shape, stage.index + 1, tag, device, reuse=True)
+                grad = self._wire.inbox.pop(("B", stage.index + 1, mb))
                 torch.autograd.backward(out, grad.to(out.dtype))
+                self._wire.reuse(grad)
         if x is not None:
             assert x.grad is not None
-            self._send(x.grad, ("B", stage.index, mb))
+            self._wire.outbox[("B", stage.index, mb)] = x.grad
         del x, out  # the activations of this micro-batch and chunk are free now

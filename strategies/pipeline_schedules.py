@@ -5,8 +5,12 @@ of one micro-batch through one of the rank's model chunks. Communication is impl
 the actions, as the executor (:mod:`plugintrain.strategies.pipeline`) performs it: the
 forward of virtual stage ``s > 0`` receives its input from stage ``s - 1``, a forward
 that is not the last stage sends its output on, and backward runs the other way.
-Sends are asynchronous and receives block, so a schedule can only hang on a cycle of
-data dependencies, which :func:`simulate` detects.
+Where sends never wait (gloo), a schedule can only hang on a cycle of data
+dependencies, which :func:`simulate` detects. Where a send completes only once its
+receive is posted (NCCL, beyond its eager threshold), two neighbours that send to each
+other first hang; :func:`p2p_plan` groups each rank's transfers into the batches the
+executor posts together, and :func:`check_rendezvous` (``simulate(...,
+rendezvous=True)``) proves that those batches complete under that rule.
 
 Virtual stages follow Megatron-LM's interleaving: with ``pp`` ranks and ``vpp`` chunks per
 rank, chunk ``c`` of rank ``r`` is virtual stage ``c * pp + r``, so the model's layers
@@ -24,10 +28,12 @@ The generators are the textbook ones:
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Literal
+from itertools import accumulate
+from typing import Literal, NamedTuple
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
@@ -227,9 +233,12 @@ class Simulation:
     """Per rank, most micro-batch chunks whose forward ran and backward did not yet."""
     p2p_in_order: bool
     """Whether, on every link and direction, messages are received in the order sent
-    (so the executor's isend/irecv also match on backends that ignore tags, like NCCL)."""
+    (so the executor's transfers also match on backends that ignore tags, like NCCL)."""
     forward_time: Fraction = Fraction(1)
     backward_time: Fraction = Fraction(2)
+    rendezvous: bool = False
+    """Whether the executor's batches also ran to the end with each send waiting for its
+    receive (NCCL's large messages); where they hang, :func:`simulate` raises."""
     idle: list[Fraction] = field(init=False)
     """Per rank, the fraction of the makespan spent idle."""
 
@@ -285,6 +294,8 @@ class Simulation:
             f"makespan {float(self.makespan):g}, bubble {float(self.bubble_fraction):.1%}"
             f" ({textbook}), p2p order matched: {self.p2p_in_order}"
         )
+        if self.rendezvous:
+            tail += ", deadlock-free when sends wait for their receives (NCCL)"
         return "\n".join([head, *rows, tail])
 
 
@@ -337,13 +348,22 @@ def simulate(
     schedule: Schedule,
     forward_time: Fraction | int = 1,
     backward_time: Fraction | int = 2,
+    rendezvous: bool = False,
 ) -> Simulation:
     """Execute every rank's action list symbolically, as the executor would.
 
     An action starts when its rank is free and its inputs exist (the previous stage's
     forward for a forward; this stage's forward and the next stage's backward for a
-    backward). Communication takes no time. A micro-batch's forward through one chunk
-    takes ``forward_time / vpp`` (a chunk holds ``1/vpp`` of the rank's layers).
+    backward). Communication takes no time and sends never wait, as on gloo. A
+    micro-batch's forward through one chunk takes ``forward_time / vpp`` (a chunk holds
+    ``1/vpp`` of the rank's layers).
+
+    Args:
+        schedule: The schedule to run.
+        forward_time: One micro-batch's forward through all of a rank's layers.
+        backward_time: The same for a backward.
+        rendezvous: Also run the batches the executor posts (:func:`p2p_plan`) where
+            each send waits for its receive, as on NCCL (:func:`check_rendezvous`).
 
     Raises:
         ValueError: If an action is missing or repeated.
@@ -351,10 +371,26 @@ def simulate(
     """
     check_complete(schedule)
     s = schedule
-    durations = {
-        "F": Fraction(forward_time) / s.vpp,
-        "B": Fraction(backward_time) / s.vpp,
-    }
+    timeline = _timeline(s, Fraction(forward_time) / s.vpp, Fraction(backward_time) / s.vpp)
+    if rendezvous:
+        check_rendezvous(s)
+    busy = [sum((slot.end - slot.start for slot in rank), Fraction(0)) for rank in timeline]
+    return Simulation(
+        schedule=s,
+        timeline=timeline,
+        makespan=max(rank[-1].end if rank else Fraction(0) for rank in timeline),
+        busy=busy,
+        peak_in_flight=[_peak_in_flight(actions) for actions in s.actions],
+        p2p_in_order=_p2p_in_order(s),
+        forward_time=Fraction(forward_time),
+        backward_time=Fraction(backward_time),
+        rendezvous=rendezvous,
+    )
+
+
+def _timeline(s: Schedule, forward: Fraction, backward: Fraction) -> list[list[TimeSlot]]:
+    """Each rank's actions placed in time, each as soon as its rank and inputs allow."""
+    durations = {"F": forward, "B": backward}
     last = s.num_stages - 1
     done: dict[tuple[str, int, int], Fraction] = {}
     timeline: list[list[TimeSlot]] = [[] for _ in range(s.pp)]
@@ -380,17 +416,7 @@ def simulate(
                 cursor[rank] += 1
                 progress = True
     _raise_if_stuck(s, cursor)
-    busy = [sum((slot.end - slot.start for slot in rank), Fraction(0)) for rank in timeline]
-    return Simulation(
-        schedule=s,
-        timeline=timeline,
-        makespan=max(clock),
-        busy=busy,
-        peak_in_flight=[_peak_in_flight(actions) for actions in s.actions],
-        p2p_in_order=_p2p_in_order(s),
-        forward_time=Fraction(forward_time),
-        backward_time=Fraction(backward_time),
-    )
+    return timeline
 
 
 def _raise_if_stuck(schedule: Schedule, cursor: list[int]) -> None:
@@ -513,3 +539,210 @@ def _answers(
     for k in range(len(first_received) - 2, -1, -1):
         first_received[k] = min(first_received[k], first_received[k + 1])
     return [i for i, _ in replies], first_received
+
+
+# ---- what a rank posts, and the rendezvous check -----------------------------------------
+
+
+class Transfer(NamedTuple):
+    """One point-to-point operation of a rank: the send or the receive of one message."""
+
+    op: Literal["send", "recv"]
+    message: Message
+    peer: int
+    """The pipeline rank at the other end."""
+
+    def __str__(self) -> str:
+        kind, stage, mb = self.message
+        way = "to" if self.op == "send" else "from"
+        return f"{self.op} {kind}{mb} of stage {stage} {way} rank {self.peer}"
+
+
+Batch = tuple[Transfer, ...]
+"""Transfers posted together (one ``batch_isend_irecv``): none of them waits for another."""
+
+
+def p2p_plan(schedule: Schedule) -> list[list[Batch]]:
+    """What each rank posts around its actions; the executor posts exactly this.
+
+    ``plan[rank][i]`` is posted just before the rank's action ``i`` (``plan[rank][-1]``
+    after its last): the send of what action ``i - 1`` produced, posted together with
+    the receive that action ``i`` needs. Where a send completes only once its receive is
+    posted (NCCL beyond its eager threshold), two lone sends hang: in 1F1B's steady state
+    stage s sends an activation to s + 1 while s + 1 sends a gradient to s, each waiting
+    for a receive queued behind the other's send (NVIDIA/nccl#479). Batched, both
+    exchanges proceed, as Megatron-LM's ``send_forward_recv_backward`` and
+    ``send_backward_recv_forward`` (``p2p_communication.py``) do.
+
+    That suffices for GPipe and 1F1B. With ``vpp > 1`` the ranks form a ring, and a
+    rank's send can meet a peer that sends to it first and receives only an action
+    later (rank 0 of pp = 2 sends a gradient after B0.1 alone, as F3 on stage 0 receives
+    nothing, while rank 1 sends one after B1.1). So the batches are run as
+    :func:`check_rendezvous` runs them, and wherever all ranks wait, the receive of one
+    waiting send is posted earlier, with the batch its receiver waits at, until they run
+    to the end. A gradient's receive is moved first (it reuses the buffer of a finished
+    backward), else the activation of the rank that holds the fewest micro-batches then.
+    In training such a receive comes one action early, so a rank holds at most one
+    received buffer more (like Megatron's four-transfer batches in the interleaved
+    steady state), and none at its peak in the cases ``test_memory.py`` measures;
+    evaluation with ``vpp > 1`` receives the last rank's chunk-0 outputs while rank 0
+    still runs chunk 0. Sends are never held back.
+
+    Raises:
+        DeadlockError: If no batching lets the schedule run (a cycle of data
+            dependencies, which :func:`simulate` names).
+    """
+    s = schedule
+    plans = [_just_in_time(s, rank) for rank in range(s.pp)]
+    held = [list(accumulate((1 if a.kind == "F" else -1 for a in actions), initial=0))
+            for actions in s.actions]  # fmt: skip
+    run = _Rendezvous(plans)
+    stuck = run.advance()
+    while stuck:
+        run.post_a_receive_early(stuck, held)
+        stuck = run.advance()
+    return run.batches()
+
+
+def _just_in_time(s: Schedule, rank: int) -> list[list[Transfer]]:
+    """Entry ``i``: the send of action ``i - 1`` and the receive of action ``i``."""
+    before, after = (rank - 1) % s.pp, (rank + 1) % s.pp  # the ranks of stages s -+ 1
+    batches: list[list[Transfer]] = []
+    pending: list[Transfer] = []  # the previous action's send
+    for action in s.actions[rank]:
+        received, sent = _messages(s, rank, action)
+        forward = action.kind == "F"
+        receive = (
+            [] if received is None else [Transfer("recv", received, before if forward else after)]
+        )
+        batches.append(pending + receive)
+        pending = [] if sent is None else [Transfer("send", sent, after if forward else before)]
+    batches.append(pending)
+    return batches
+
+
+def check_rendezvous(schedule: Schedule, plan: Sequence[Sequence[Batch]] | None = None) -> None:
+    """Raise a ``DeadlockError`` unless every rank's batches complete where each send
+    waits for its receive (rendezvous), as NCCL's do beyond its eager threshold.
+
+    A batch completes once every transfer in it has its counterpart posted on the peer:
+    a send its receive, a receive its send, the n-th send on a link meeting the n-th
+    receive (NCCL matches by order and ignores tags). A rank posts its next batch only
+    once the previous one completed, so a lone send blocks its rank, as on the one NCCL
+    stream that carries a rank's batches; the transfers of one batch never wait for each
+    other. Computation is left out: an action needs nothing beyond its batches.
+
+    Args:
+        schedule: The schedule the batches belong to.
+        plan: Each rank's batches in posting order; None: :func:`p2p_plan`, what the
+            executor posts.
+    """
+    plans = plan or p2p_plan(schedule)
+    run = _Rendezvous(plans)
+    stuck = run.advance()
+    if stuck:
+        detail = ", ".join(
+            f"rank {r} waits at [{' + '.join(map(str, plans[r][run.cursor[r]]))}]" for r in stuck
+        )
+        raise DeadlockError(
+            f"The {schedule.name} schedule deadlocks when a send waits for its receive: {detail}."
+        )
+
+
+class _Rendezvous:
+    """All ranks' batches, run symbolically with each send waiting for its receive.
+
+    A rank completes the batch it has reached once every transfer in it has its
+    counterpart posted, in a batch its peer has reached; the n-th send on a link meets
+    the n-th receive. Transfers are numbered in plan order (``transfers[t]``):
+    ``numbers[rank][i]`` are those of batch ``i``, transfer ``t`` sits in batch
+    ``where[t]`` of rank ``owner[t]`` and meets transfer ``other[t]`` (None: nobody posts
+    it). ``unmet[rank][i]`` counts what batch ``i`` still waits for: its rank to reach
+    it, and each counterpart.
+    """
+
+    def __init__(self, plans: Sequence[Sequence[Sequence[Transfer]]]) -> None:
+        self.cursor = [0] * len(plans)
+        self.transfers = [t for batches in plans for batch in batches for t in batch]
+        self.where: list[int] = []
+        self.owner: list[int] = []
+        self.numbers: list[list[list[int]]] = []
+        on_link: dict[tuple[str, int, int], list[int]] = defaultdict(list)  # in plan order
+        for rank, batches in enumerate(plans):
+            self.numbers.append([])
+            for index, batch in enumerate(batches):
+                first = len(self.where)
+                self.numbers[rank].append(list(range(first, first + len(batch))))
+                self.where += [index] * len(batch)
+                self.owner += [rank] * len(batch)
+                for t, (op, _, peer) in enumerate(batch, first):
+                    on_link[(op, rank, peer) if op == "send" else (op, peer, rank)].append(t)
+        self.other: list[int | None] = [None] * len(self.where)
+        for (op, src, dst), numbers in list(on_link.items()):
+            counterparts = on_link[("recv" if op == "send" else "send", src, dst)]
+            for t, u in zip(numbers, counterparts, strict=False):
+                self.other[t] = u
+        self.unmet = [[len(b) + (i > 0) for i, b in enumerate(batches)] for batches in plans]
+        self.ready: deque[int] = deque(r for r, b in enumerate(plans) if b and not b[0])
+        for rank, batches in enumerate(plans):
+            if batches:
+                self._reach(rank)
+
+    def _reach(self, rank: int) -> None:
+        """``rank`` has reached its batch ``cursor[rank]``: its transfers are posted."""
+        index, other, unmet = self.cursor[rank], self.other, self.unmet
+        waiting = [(rank, index)] if index else []  # the batch waited for its rank
+        for t in self.numbers[rank][index]:
+            u = other[t]
+            if u is not None:
+                waiting.append((self.owner[u], self.where[u]))  # and u for t
+        for peer, at in waiting:
+            unmet[peer][at] -= 1
+            if not unmet[peer][at]:  # a batch its rank has reached: it can complete
+                self.ready.append(peer)
+
+    def advance(self) -> list[int]:
+        """Complete batches while any can; the ranks left waiting."""
+        while self.ready:
+            rank = self.ready.popleft()
+            self.cursor[rank] += 1
+            if self.cursor[rank] < len(self.numbers[rank]):
+                self._reach(rank)
+        return [r for r, c in enumerate(self.cursor) if c < len(self.numbers[r])]
+
+    def post_a_receive_early(self, stuck: list[int], held: list[list[int]]) -> None:
+        """Move the receive of one waiting send into the batch its receiver waits at,
+        which lets that send complete. Which one: a gradient's if any (it goes into a
+        buffer a finished backward left), else the activation of the receiver that holds
+        the fewest micro-batches then (``held[rank][i]``: before its action ``i``)."""
+        waiting = []
+        for rank in stuck:
+            index = self.cursor[rank]
+            for u in self.numbers[rank][index]:
+                transfer, t = self.transfers[u], self.other[u]
+                if transfer.op == "send" and t is not None:
+                    peer = self.owner[t]
+                    if self.where[t] > self.cursor[peer]:  # not posted yet
+                        cost = (transfer.message[0] == "F", held[peer][self.cursor[peer]])
+                        waiting.append((cost, rank, u))
+        if not waiting:
+            raise DeadlockError(f"Ranks {stuck} wait on each other's data: no batching helps.")
+        _, rank, u = min(waiting)
+        t = self.other[u]
+        assert t is not None
+        self._move(self.owner[t], t, self.cursor[self.owner[t]])
+        self.unmet[rank][self.cursor[rank]] -= 1
+        if self.unmet[rank][self.cursor[rank]] == 0:
+            self.ready.append(rank)
+
+    def _move(self, rank: int, number: int, new: int) -> None:
+        """Move transfer ``number`` of ``rank`` to the end of its batch ``new``."""
+        old = self.where[number]
+        at = self.numbers[rank][old].index(number)
+        self.numbers[rank][new].append(self.numbers[rank][old].pop(at))
+        self.where[number] = new
+
+    def batches(self) -> list[list[Batch]]:
+        """Each rank's batches, as they stand."""
+        transfers = self.transfers
+        return [[tuple([transfers[t] for t in batch]) for batch in rank] for rank in self.numbers]

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.distributed import GradientLayout
+from plugintrain.resume import init_restarted_process_group
 from plugintrain.strategies.checkpoint import load_weights
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.grad_engine import (
@@ -114,6 +115,11 @@ class _GradientEngineStrategy(DDPStrategy):
         """The layout of the optimizer's shard gradients, for the precision plugin."""
         return self.engine.gradient_layout(parameters)
 
+    @override
+    def setup_distributed(self) -> None:
+        init_restarted_process_group(self._get_process_group_backend(), self._timeout)
+        super().setup_distributed()
+
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
@@ -137,21 +143,23 @@ class _GradientEngineStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        # Directories and single files alike (any layout) load through DCP straight into
+        # the shards; only tensors and plain data are unpickled, whatever `weights_only`.
         self._loaded_directory = False
         checkpoint_path = self.broadcast(checkpoint_path)
-        if "://" in str(checkpoint_path) or not Path(checkpoint_path).is_dir():
-            return super().load_checkpoint(checkpoint_path, weights_only)  # a single file
+        if "://" in str(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=True)
         path = Path(checkpoint_path)
         assert self.model is not None
         self._loaded_directory = True
         if not self._binding.bound:  # evaluating: weights only
-            return load_weights(path, self.model, weights_only)
-        return self._binding.load(path, self.model, self.optimizers, weights_only)
+            return load_weights(path, self.model)
+        return self._binding.load(path, self.model, self.optimizers)
 
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        # A DCP directory filled the optimizers' shards in `load_checkpoint` already.
+        # `load_checkpoint` filled the optimizers' shards already.
         return not self._loaded_directory
 
     @override

@@ -1,6 +1,7 @@
 """Callbacks shipped with plugintrain."""
 
+from plugintrain.callbacks.display import CountedFlopsSummary, StepProgressBar
 from plugintrain.callbacks.precision_check import PrecisionCheck
 from plugintrain.callbacks.throughput import TokenThroughputMonitor
 
-__all__ = ["PrecisionCheck", "TokenThroughputMonitor"]
+__all__ = ["CountedFlopsSummary", "PrecisionCheck", "StepProgressBar", "TokenThroughputMonitor"]

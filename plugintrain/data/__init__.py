@@ -5,7 +5,12 @@ from plugintrain.data.mnist import MNISTDataModule, read_idx, write_idx
 from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
 from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
 from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule, TokenWindows
-from plugintrain.data.tokenizers import TOKENIZER_NAMES, Tokenizer, get_tokenizer
+from plugintrain.data.tokenizers import (
+    TOKENIZER_NAMES,
+    Tokenizer,
+    family_tokenizer,
+    get_tokenizer,
+)
 
 __all__ = [
     "ASSETS",
@@ -19,6 +24,7 @@ __all__ = [
     "TokenWindows",
     "Tokenizer",
     "cache_root",
+    "family_tokenizer",
     "fetch_asset",
     "get_tokenizer",
     "prepare_mnist",

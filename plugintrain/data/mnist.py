@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -71,10 +72,8 @@ def find_idx(data_dir: str | Path, key: str) -> Path:
     for candidate in (base, base.with_name(base.name + ".gz")):
         if candidate.exists():
             return candidate
-    raise FileNotFoundError(
-        f"{base}[.gz] not found; create the MNIST files with "
-        f"`plugintrain prepare mnist --out_dir {data_dir}`"
-    )
+    command = shlex.join(["plugintrain", "prepare", "mnist", "--out", str(data_dir)])
+    raise FileNotFoundError(f"{base}[.gz] not found; create the MNIST files with `{command}`")
 
 
 def load_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -143,6 +142,8 @@ class MNISTDataModule(LightningDataModule):
         self.train_set: MNISTImages | None = None
         self.val_set: MNISTImages | None = None
         self.test_set: MNISTImages | None = None
+        for key in IDX_FILES:  # missing files stop `plugintrain fit` before it launches
+            find_idx(self.data_dir, key)
 
     def setup(self, stage: str) -> None:
         """Load and split the IDX files needed by ``stage``."""

@@ -7,6 +7,8 @@ no-op that returns the recorded metadata.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import math
 import shutil
@@ -16,12 +18,22 @@ from typing import Any, Literal
 import numpy as np
 
 from plugintrain.data._atomic import atomic_open
-from plugintrain.data.assets import ASSETS, fetch_asset
+from plugintrain.data.assets import ASSETS, AssetError, fetch_asset
 from plugintrain.data.mnist import IDX_FILES, find_idx, load_split, write_idx
 from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
 from plugintrain.data.tokenizers import get_tokenizer
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+# sha256 of each Fashion-MNIST IDX file *after* gunzip, from Debian's dataset-fashion-mnist
+# 0.0~git20200523.55506a9-1. Debian recompressed the upstream archives (their .gz bytes
+# differ from zalandoresearch's), while the IDX contents are the same, so this also accepts
+# the upstream .gz files passed as `fashion_dir`.
+FASHION_MNIST_SHA256 = {
+    "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+    "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+    "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+    "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+}
 
 
 def prepare_shakespeare(
@@ -85,9 +97,7 @@ def prepare_shakespeare(
     return meta
 
 
-def _hold_out_works(
-    docs: list[np.ndarray], val_every: int
-) -> tuple[np.ndarray, np.ndarray, range]:
+def _hold_out_works(docs: list[np.ndarray], val_every: int) -> tuple[np.ndarray, np.ndarray, range]:
     """Training tokens, validation tokens (every ``val_every``-th work) and the held-out
     works' indices."""
     held_out = range(val_every - 1, len(docs), val_every)
@@ -128,6 +138,8 @@ def prepare_mnist(
 
     Raises:
         FileNotFoundError: For ``source="fashion"`` when the package is not installed.
+        AssetError: For ``source="fashion"`` when a file's contents are not Fashion-MNIST's
+            (checked by sha256 before anything is written).
         FileExistsError: If ``out_dir`` holds a dataset made with other settings and
             ``overwrite`` is False.
     """
@@ -189,9 +201,28 @@ def _copy_fashion_idx(src: Path, out: Path) -> None:
             "`apt-get install dataset-fashion-mnist` or pass the directory as fashion_dir"
         )
     for name in IDX_FILES.values():
+        _verify_fashion(src / f"{name}.gz", FASHION_MNIST_SHA256[name])
+    for name in IDX_FILES.values():
         with open(src / f"{name}.gz", "rb") as f, atomic_open(out / f"{name}.gz") as g:
             shutil.copyfileobj(f, g)
     _remove_idx_variant(out, "")
+
+
+def _verify_fashion(path: Path, expected: str) -> None:
+    """Check the sha256 of a gzipped IDX file's contents (streamed, never held whole)."""
+    reinstall = "reinstall it with `apt-get install --reinstall dataset-fashion-mnist`"
+    digest = hashlib.sha256()
+    try:
+        with gzip.open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except (OSError, EOFError) as error:  # not gzip, or cut short
+        raise AssetError(f"{path}: not a whole gzip file ({error}); {reinstall}") from None
+    if digest.hexdigest() != expected:
+        raise AssetError(
+            f"{path}: sha256 mismatch of the unpacked IDX data: expected {expected}, got "
+            f"{digest.hexdigest()}; {reinstall}"
+        )
 
 
 def _remove_idx_variant(out: Path, suffix: str) -> None:
@@ -214,7 +245,8 @@ def _reusable_meta(out: Path, settings: dict[str, Any], overwrite: bool) -> dict
     if recorded != settings:
         raise FileExistsError(
             f"{out} holds data prepared with {recorded}, not {settings}; "
-            "pass overwrite=True or choose another output directory"
+            "add --overwrite to the `plugintrain prepare` command (overwrite=True) to rebuild"
+            " it, or choose another output directory"
         )
     return meta
 

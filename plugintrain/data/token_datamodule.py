@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shlex
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,17 +86,32 @@ class ResumableSampler(DistributedSampler):
             dataset, num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=drop_last
         )
         self.resume_epoch = -1
-        self.resume_samples = 0
+        self.resume_position = 0
 
-    def resume(self, epoch: int, samples: int) -> None:
-        """Skip this rank's first ``samples`` samples whenever ``epoch`` is iterated."""
-        self.resume_epoch, self.resume_samples = epoch, samples
+    def resume(self, epoch: int, position: int) -> None:
+        """Start ``epoch`` at ``position``: the samples the whole data-parallel group (any
+        number of ranks) consumed of it, whenever ``epoch`` is iterated."""
+        self.resume_epoch, self.resume_position = epoch, position
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        if self.epoch == self.resume_epoch:
-            indices = indices[self.resume_samples :]
-        return iter(indices)
+        if self.epoch != self.resume_epoch:
+            return iter(list(super().__iter__()))
+        # The group's order from the position on, dealt out to this layout's ranks in turn:
+        # with the same layout exactly DistributedSampler's own split, skipped ahead.
+        rest = self._group_order()[self.resume_position :]
+        end = len(rest) // self.num_replicas * self.num_replicas
+        if not self.drop_last and len(rest) > end:
+            end += self.num_replicas
+            rest = (rest * (end // max(len(rest), 1) + 1))[:end]
+        return iter(rest[self.rank : end : self.num_replicas])
+
+    def _group_order(self) -> list[int]:
+        """This epoch's sample order for the whole data-parallel group (before the split)."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))  # type: ignore[arg-type]
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
 
 
 class TokenDataModule(LightningDataModule):
@@ -111,6 +128,8 @@ class TokenDataModule(LightningDataModule):
         batch_size: Sequences per batch on each data-parallel rank (B).
         vocab_size: The model's vocabulary size; a token id at or above it is an error.
         max_seq_len: The model's maximum sequence length; ``seq_len`` may not exceed it.
+        tokenizer: The tokenizer whose ids the model reads (``gpt2`` or ``llama3``); token
+            files whose ``meta.json`` records another one are refused.
         seed: Shuffling seed; epoch ``e`` is shuffled with ``seed + e``.
         shuffle: Shuffle training windows each epoch (validation is never shuffled).
         num_workers: DataLoader worker processes.
@@ -125,6 +144,7 @@ class TokenDataModule(LightningDataModule):
         batch_size: int = 8,
         vocab_size: int | None = None,
         max_seq_len: int | None = None,
+        tokenizer: str | None = None,
         seed: int = 1337,
         shuffle: bool = True,
         num_workers: int = 0,
@@ -141,6 +161,7 @@ class TokenDataModule(LightningDataModule):
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
         self.seed = seed
         self.shuffle = shuffle
         self.num_workers = num_workers
@@ -149,7 +170,9 @@ class TokenDataModule(LightningDataModule):
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
         self._train_sampler: ResumableSampler | None = None
-        self._resume = (-1, 0)
+        # (epoch, group position, Lightning's processed count when the epoch resumed)
+        self._resume: tuple[int, int, int | None] = (-1, 0, 0)
+        self._check_prepared()
 
     def setup(self, stage: str) -> None:
         """Open and check the token files needed by ``stage``."""
@@ -162,7 +185,11 @@ class TokenDataModule(LightningDataModule):
         """Shuffled, rank-sharded training batches; full batches only."""
         assert self.train_set is not None, "call setup('fit') first"
         self._train_sampler = self._sampler(self.train_set, self.shuffle, drop_last=True)
-        self._train_sampler.resume(*self._resume)
+        epoch, position, processed_before = self._resume
+        if processed_before is None:
+            # Lightning restored its loops by now: remember its count for the resumed epoch.
+            self._resume = (epoch, position, self._processed_batches())
+        self._train_sampler.resume(epoch, position)
         return self._loader(self.train_set, self._train_sampler, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
@@ -172,33 +199,73 @@ class TokenDataModule(LightningDataModule):
         return self._loader(self.val_set, sampler, drop_last=False)
 
     def state_dict(self) -> dict[str, int]:
-        """Training position for checkpoints: the epoch and the samples this rank trained on.
+        """Training position for checkpoints: the epoch and how many samples of it the whole
+        data-parallel group trained on, so a resume under any dp size or batch size
+        continues with the samples the uninterrupted run would see next.
 
         Lightning counts a batch as ``processed`` once its optimizer work is done and before
-        ``on_train_batch_end`` (where ModelCheckpoint saves); on restart it skips exactly the
-        processed batches of that epoch, or moves to the next epoch when all were processed.
+        ``on_train_batch_end`` (where ModelCheckpoint saves). In the epoch a run resumed in,
+        the count it restored was made under the saving layout, so only the batches since
+        are counted under this one.
         """
         if self.trainer is None:
             return {}
-        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.trainer.current_epoch, "samples": batches * self.batch_size}
+        epoch, processed = self.trainer.current_epoch, self._processed_batches()
+        resumed_epoch, position, processed_before = self._resume
+        if epoch != resumed_epoch or processed_before is None:  # None: no batch drawn yet
+            position, processed_before = (0, 0) if epoch != resumed_epoch else (position, processed)
+        replicas, _ = self._data_parallel_layout()
+        group_batch = self.batch_size * replicas
+        return {"epoch": epoch, "position": position + (processed - processed_before) * group_batch}
+
+    def _processed_batches(self) -> int:
+        """Lightning's count of this epoch's finished training batches (0 without a fit loop)."""
+        fit_loop = getattr(self.trainer, "fit_loop", None)
+        return 0 if fit_loop is None else fit_loop.epoch_loop.batch_progress.current.processed
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Resume the training sampler at the position saved by `state_dict`."""
         if not state_dict:
             return
-        self._resume = (state_dict["epoch"], state_dict["samples"])
+        if "position" in state_dict:
+            position = state_dict["position"]
+        else:  # older checkpoints counted this rank's samples, under the same layout
+            position = state_dict["samples"] * self._data_parallel_layout()[0]
+        self._resume = (state_dict["epoch"], position, None)
         if self._train_sampler is not None:
-            self._train_sampler.resume(*self._resume)
+            self._train_sampler.resume(state_dict["epoch"], position)
         warnings.filterwarnings("ignore", _NOT_RESUMABLE_WARNING, PossibleUserWarning)
+
+    def _check_prepared(self) -> None:
+        """Refuse missing token files, and files of another tokenizer or a larger vocabulary.
+
+        Runs on construction, so a bad ``data_dir`` stops ``plugintrain fit`` before any
+        process is launched. ``plugintrain prepare`` records the tokenizer and its
+        vocabulary size in ``meta.json``; files without one (from llm.c, say) are checked
+        by their largest token id when opened.
+        """
+        meta = _read_meta(self.data_dir)
+        recorded = meta.get("tokenizer")
+        if self.tokenizer is not None and recorded not in (None, self.tokenizer):
+            raise ValueError(_other_tokenizer(self.data_dir, recorded, self.tokenizer))
+        if self.vocab_size is not None and meta.get("vocab_size", 0) > self.vocab_size:
+            raise ValueError(
+                f"{self.data_dir} holds {recorded} tokens with ids up to {meta['vocab_size'] - 1}"
+                f" (its meta.json), outside the model's vocab_size={self.vocab_size}; give the"
+                f" model a vocab_size of at least {meta['vocab_size']}"
+            )
+        for name in (self.train_file, self.val_file):
+            if not (self.data_dir / name).is_file():
+                raise FileNotFoundError(self._missing(self.data_dir / name, bool(meta)))
+
+    def _missing(self, path: Path, overwrite: bool) -> str:
+        command = _prepare_command(self.data_dir, self.tokenizer or "gpt2", overwrite)
+        return f"token file {path} not found; create it with `{command}`"
 
     def _open(self, name: str) -> TokenWindows:
         path = self.data_dir / name
         if not path.exists():
-            raise FileNotFoundError(
-                f"token file {path} not found; create it with "
-                f"`plugintrain prepare shakespeare --out_dir {self.data_dir}`"
-            )
+            raise FileNotFoundError(self._missing(path, overwrite=True))
         windows = TokenWindows(path, self.seq_len)
         if len(windows) == 0:
             raise ValueError(
@@ -241,6 +308,30 @@ class TokenDataModule(LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+
+def _read_meta(data_dir: Path) -> dict[str, Any]:
+    """The ``meta.json`` that ``plugintrain prepare`` wrote in ``data_dir``, else ``{}``."""
+    path = data_dir / "meta.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _prepare_command(out: Path, tokenizer: str, overwrite: bool) -> str:
+    """The ``plugintrain prepare`` command that writes ``tokenizer``'s token files to ``out``."""
+    args = ["plugintrain", "prepare", "shakespeare", "--tokenizer", tokenizer, "--out", str(out)]
+    return shlex.join([*args, "--overwrite"] if overwrite else args)
+
+
+def _other_tokenizer(data_dir: Path, recorded: str, wanted: str) -> str:
+    """Why ``data_dir`` (``recorded``'s tokens) cannot feed a model that reads ``wanted``'s,
+    and the command that prepares the right files beside it."""
+    out = data_dir.parent / f"shakespeare_{wanted}"
+    overwrite = _read_meta(out).get("tokenizer") not in (None, wanted)
+    return (
+        f"{data_dir} holds {recorded} tokens (its meta.json) but the model reads {wanted}"
+        f" tokens; prepare them with `{_prepare_command(out, wanted, overwrite)}` and pass"
+        f" `--data.init_args.data_dir {shlex.quote(str(out))}`"
+    )
 
 
 def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:

@@ -124,6 +124,14 @@ _BUILDERS: dict[str, Callable[[str | Path | None], Tokenizer]] = {
 TOKENIZER_NAMES = tuple(_BUILDERS)
 
 
+def family_tokenizer(family: str | None) -> str | None:
+    """The tokenizer whose ids a model family reads (GPT-2: ``gpt2``, Llama 3: ``llama3``).
+
+    None for a family plugintrain has no tokenizer for, whose data cannot be checked.
+    """
+    return family if family in _BUILDERS else None
+
+
 @functools.lru_cache(maxsize=8)
 def get_tokenizer(name: str, cache_dir: str | Path | None = None) -> Tokenizer:
     """Build (once per process) the named tokenizer from its offline rank file.

@@ -6,20 +6,23 @@ come from the event files (or, without them, from the checker's files); when bot
 have checker files, their per-module statistics are compared too, and the first module
 that diverges is printed with its statistics side by side.
 
-Exit status: 0 within tolerance, 1 beyond it, 2 on bad input. The default tolerances
+Exit status: 0 within tolerance, 1 beyond it or when one run lacks steps the other has
+(they are listed), 2 on bad input (one line on stderr). The default tolerances
 are relative, per compute dtype: 1e-5 for fp32 and 1e-2 for bf16, as in the reference
 project; 1e-3 for fp16, whose 10-bit mantissa sits between the two.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from plugintrain.tools._args import ToolParser
 
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-3}
 _STATS = ("mean", "std", "absmax")
@@ -145,6 +148,35 @@ def _print_record_pair(step: int, rec_a: dict, rec_b: dict) -> None:
         print(f"  {key:>7}  A={rec_a[key]!s:<24} B={rec_b[key]!s}")
 
 
+def step_ranges(steps: Sequence[int]) -> str:
+    """Sorted steps as ranges: ``[3, 4, 5, 9]`` -> ``"3-5, 9"``."""
+    spans: list[list[int]] = []
+    for step in sorted(steps):
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
+
+
+def missing_steps(a: Run, b: Run) -> list[str]:
+    """One line per run that lacks recorded steps the other run has (none: the same steps).
+
+    A run that stopped early, or lost a log on resume, agrees with the other only over
+    the steps it kept; comparing those alone would pass without saying so.
+    """
+    recorded = [("losses", a.losses.keys(), b.losses.keys())]
+    if a.checks and b.checks:
+        recorded.append(("module statistics", a.checks.keys(), b.checks.keys()))
+    lines = []
+    for what, steps_a, steps_b in recorded:
+        for run, other, lacking in ((b, a, steps_a - steps_b), (a, b, steps_b - steps_a)):
+            if lacking:
+                steps = f"step{'s' if len(lacking) > 1 else ''} {step_ranges(sorted(lacking))}"
+                lines.append(f"{run.path} lacks the {what} of {steps} that {other.path} has")
+    return lines
+
+
 def compare_runs(a: Run, b: Run, rtol: float) -> int:
     """Print the comparison of two loaded runs; return the exit status (0 or 1)."""
     rows, first_bad = compare_losses(a, b, rtol)
@@ -159,11 +191,14 @@ def compare_runs(a: Run, b: Run, rtol: float) -> int:
         _print_record_pair(*divergence)
     elif a.checks and b.checks:
         print("module statistics: all within tolerance")
-    return 0 if first_bad is None and divergence is None else 1
+    missing = missing_steps(a, b)
+    for line in missing:
+        print(line)
+    return 0 if first_bad is None and divergence is None and not missing else 1
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> ToolParser:
+    parser = ToolParser(
         prog="plugintrain compare",
         description="Compare two runs' losses (and PrecisionCheck statistics) within a tolerance.",
     )
@@ -183,12 +218,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``plugintrain compare``; returns 0, 1 or 2 (see the module doc)."""
-    args = _parser().parse_args(list(argv))
+    parser = _parser()
+    args = parser.parse_args(list(argv))
     rtol = DEFAULT_RTOL[args.dtype] if args.rtol is None else args.rtol
+    if not math.isfinite(rtol) or rtol < 0:
+        parser.error(f"--rtol must be a finite number >= 0, got {rtol}")
     try:
         run_a = load_run(args.run_a, args.tag, args.rank)
         run_b = load_run(args.run_b, args.tag, args.rank)
         return compare_runs(run_a, run_b, rtol)
     except CompareError as error:
-        print(f"plugintrain compare: error: {error}")
+        print(f"plugintrain compare: error: {error}", file=sys.stderr)
         return 2

@@ -4,7 +4,9 @@ Builds the GPipe, 1F1B or interleaved 1F1B schedule for ``--pp`` ranks, ``--vpp`
 chunks per rank and ``--microbatches`` micro-batches
 (:mod:`plugintrain.strategies.pipeline_schedules`), runs it through the symbolic
 simulator and prints a time-by-rank grid followed by the bubble, each rank's idle
-fraction and peak in-flight micro-batches; ``--json`` prints the same as one JSON object.
+fraction and peak in-flight micro-batches, having also run the executor's point-to-point
+batches where each send waits for its receive (NCCL; ``simulate(..., rendezvous=True)``);
+``--json`` prints the same as one JSON object.
 Nothing is launched: this is for choosing ``pp``, ``vpp`` and the micro-batch count.
 
 Exit status: 0 on success, 2 on bad input (a layout the schedule cannot run).
@@ -89,6 +91,7 @@ def to_json(sim: Simulation) -> dict[str, Any]:
         "idle": [float(idle) for idle in sim.idle],
         "peak_in_flight": sim.peak_in_flight,
         "p2p_in_order": sim.p2p_in_order,
+        "rendezvous_deadlock_free": sim.rendezvous,
     }
 
 
@@ -103,7 +106,7 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as error:
         print(f"plugintrain schedule: error: {error}", file=sys.stderr)
         return 2
-    sim = simulate(schedule, args.forward_time, args.backward_time)
+    sim = simulate(schedule, args.forward_time, args.backward_time, rendezvous=True)
     if args.json:
         print(json.dumps(to_json(sim)))
     else:

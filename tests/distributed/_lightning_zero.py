@@ -24,6 +24,7 @@ from plugintrain.precision_plugins import FP32Precision
 
 GLOBAL_BATCH = 8
 SAMPLES = 16  # one epoch = 2 optimizer steps
+EPOCHS = 2
 SEQ = 16
 
 
@@ -88,7 +89,12 @@ def main() -> None:
         accelerator="cpu",
         devices=args.devices,
         strategy=args.strategy,
-        max_steps=4,
+        # 4 steps, stopped by epochs rather than `max_steps=4`: with `max_steps`, Lightning
+        # 2.6 resumes an end-of-epoch checkpoint as a restart "on epoch end" of that epoch,
+        # trains one more batch in it (the first of a fresh iterator), then starts another
+        # epoch from its first batch, so the second resumed step trains another batch than
+        # the uninterrupted run. With `max_epochs` it resumes at the next epoch's start.
+        max_epochs=EPOCHS,
         gradient_clip_val=0.5,
         plugins=[FP32Precision()],
         callbacks=[recorder, checkpoint],

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from plugintrain.data import TokenDataModule, write_token_bin
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig, gpt2, llama3
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import (
@@ -276,12 +279,59 @@ def _names(mode: CommDebugMode) -> dict[str, int]:
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
 
 
+# The data each rank trains on under dp=2 x tp=2, from TokenDataModule (shuffled).
+WINDOW = 4  # tokens per training window
+WINDOWS = 16
+
+
+def _token_dir(root: Path) -> Path:
+    # Token value == position (< VOCAB), so a window's first token / WINDOW is its index.
+    tokens = np.arange(WINDOWS * WINDOW + 1) % VOCAB
+    for name in ("train.bin", "val.bin"):
+        write_token_bin(root / name, tokens)
+    return root
+
+
+class _SeenWindows(L.Callback):
+    """The window indices of every training batch this rank receives."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.batches.append((batch[0][:, 0] // WINDOW).tolist())
+
+
+def _seen_windows(data_dir: Path) -> dict[str, Any]:
+    """One epoch under HybridParallelStrategy(tp=2) on 4 ranks: what this rank trained on."""
+    L.seed_everything(0, verbose=False)
+    seen = _SeenWindows()
+    strategy = HybridParallelStrategy(tensor_parallel=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=1,
+        limit_val_batches=0, callbacks=[seen], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = TokenDataModule(str(data_dir), seq_len=WINDOW, batch_size=2, vocab_size=VOCAB)
+    trainer.fit(CausalLM(_config("llama3-debug"), warmup_steps=0), datamodule=data)
+    mesh = strategy.device_mesh
+    ranks = {"dp": mesh["dp"].get_local_rank(), "tp": mesh["tp"].get_local_rank()}
+    return {**ranks, "batches": seen.batches}
+
+
+def _lightning_runs(rank: int, world_size: int, cases: list[Case], data_dir: Path) -> dict:
+    return {"cases": _lightning_cases(rank, world_size, cases), "data": _seen_windows(data_dir)}
+
+
 @pytest.fixture(scope="module")
-def world4() -> dict[str, Any]:
+def world4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     references = {preset: _reference(preset) for preset in PLANS}
     parity = run_distributed(_parity_cases, WORLD, CASES)
     counts = run_distributed(_count_layer_collectives, WORLD)
-    lightning = run_distributed(_lightning_cases, WORLD, LIGHTNING_CASES)
+    data_dir = _token_dir(tmp_path_factory.mktemp("tokens"))
+    lightning = run_distributed(_lightning_runs, WORLD, LIGHTNING_CASES, data_dir)
     return {"references": references, "parity": parity, "counts": counts, "lightning": lightning}
 
 
@@ -343,5 +393,20 @@ def test_lightning_strategy_matches_single_process(world4: dict[str, Any], case:
     reference = _lightning_fit(case)
     for rank_results in world4["lightning"]:
         for name, param in reference.items():
-            got = rank_results[case][name]
+            got = rank_results["cases"][case][name]
             torch.testing.assert_close(got, param, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tensor_parallel_peers_see_the_same_batches(world4: dict[str, Any]) -> None:
+    """Under dp=2 x tp=2 the ranks of one tp group are one data-parallel replica: they
+    must train on identical batches, while the two replicas split the epoch."""
+    seen = [rank["data"] for rank in world4["lightning"]]
+    assert sorted((r["dp"], r["tp"]) for r in seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    replicas = {}
+    for rank in seen:
+        assert len(rank["batches"]) == WINDOWS // 4  # 2 windows per replica per step
+        replicas.setdefault(rank["dp"], rank["batches"])
+        assert rank["batches"] == replicas[rank["dp"]], rank  # the same as its tp peer
+    windows = [{w for batch in replicas[dp] for w in batch} for dp in (0, 1)]
+    assert not windows[0] & windows[1]
+    assert windows[0] | windows[1] == set(range(WINDOWS))

@@ -164,7 +164,7 @@ def _checkpoint_peaks(rank: int, world_size: int, path: Path) -> dict[str, int]:
     loading = EngineCheckpoint(engine)
     with LiveTensorMemory() as memory:
         memory.track(model.parameters())
-        loading.load(path, model, [optimizer], weights_only=True)
+        loading.load(path, model, [optimizer])
         # The loaded state stays (it is the optimizer's); the rest was transient.
         load = memory.peak_bytes - memory.live_bytes
     return {"save": saved, "load": load, "gather": gather}

@@ -22,6 +22,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -30,10 +31,13 @@ from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import BF16MixedPrecision, FP16MixedPrecision, FP32Precision
 from plugintrain.strategies import (
     HybridParallelStrategy,
+    PipelineExecutor,
     PipelineStrategy,
 )
+from plugintrain.strategies.pipeline import split_model
 
 from _harness import run_distributed
+from _toy import ToyModel, ToyShape
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -440,3 +444,89 @@ def test_loss_reading_callbacks_work(resumed: list[dict]) -> None:
 
 def _best_step(got: dict) -> int:
     return STEPS + 1 + got["losses"].index(min(got["losses"]))
+
+
+# ---- the executor's batched point-to-point transfers, against one process ---------------------
+
+# (schedule, vpp, groups of pp micro-batches, evaluation micro-batches): interleaved
+# training over more than one group posts some receives an action early, and evaluation
+# with vpp > 1 over at least 2 x pp micro-batches receives the last rank's outputs early.
+EXECUTOR_LAYOUTS = [
+    ("gpipe", 1, 1, 3),
+    ("1f1b", 1, 2, 5),
+    ("interleaved", 2, 2, 9),
+    ("interleaved", 3, 3, 11),
+]
+
+
+def _toy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _toy_step(pp: int, rank: int, group: Any, layout: tuple) -> dict[str, Any]:
+    """One training step and one evaluation of ``layout`` on pipeline rank ``rank``."""
+    name, vpp, groups, m_eval = layout
+    m = groups * pp
+    torch.manual_seed(0)
+    shape = ToyShape(n_layer=pp * vpp)
+    model = ToyModel(shape)
+    stages = split_model(model, rank, pp, vpp)
+    executor = PipelineExecutor(stages, name, pp, vpp, m, rank, group, _toy_loss, shape.n_embd)
+    tokens = torch.randint(0, shape.vocab_size, (max(m, m_eval), SEQ + 1))
+    inputs, targets = list(tokens[:, None, :-1]), list(tokens[:, None, 1:])  # (1, SEQ) each
+    train = executor.train_step(inputs[:m], targets[:m], loss_scale=1 / m)
+    evaluation = executor.eval_step(inputs[:m_eval], targets[:m_eval])
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"train": train, "eval": evaluation, "grads": grads, "tokens": tokens}
+
+
+def _toy_runs(rank: int, world_size: int) -> dict[tuple, dict[str, Any]]:
+    """pp = 4 on the world of 4, and pp = 2 on ranks (0, 1) and on (2, 3) at once."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    results = {}
+    for pp, group, pp_rank in ((4, None, rank), (2, pairs[rank // 2], rank % 2)):
+        for layout in EXECUTOR_LAYOUTS:
+            results[(pp, *layout)] = _toy_step(pp, pp_rank, group, layout)
+    return results
+
+
+@pytest.fixture(scope="module")
+def toy_runs() -> list[dict[tuple, dict[str, Any]]]:
+    return run_distributed(_toy_runs, 4, timeout=300)
+
+
+def _toy_reference(pp: int, layout: tuple, tokens: torch.Tensor) -> dict[str, Any]:
+    """One process: the whole toy model over the same micro-batches."""
+    _, vpp, groups, m_eval = layout
+    torch.manual_seed(0)
+    model = ToyModel(ToyShape(n_layer=pp * vpp))
+    losses = [_toy_loss(model(t[None, :-1]), t[None, 1:]) for t in tokens[: groups * pp]]
+    torch.stack(losses).mean().backward()
+    with torch.no_grad():
+        evaluation = [_toy_loss(model(t[None, :-1]), t[None, 1:]) for t in tokens[:m_eval]]
+    return {
+        "train": torch.stack(losses).mean().detach(),
+        "eval": torch.stack(evaluation).mean(),
+        "grads": {n: p.grad for n, p in model.named_parameters()},
+    }
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("layout", EXECUTOR_LAYOUTS, ids=lambda x: f"{x[0]}-vpp{x[1]}")
+def test_executor_batched_transfers_match_one_process(
+    toy_runs: list[dict[tuple, dict[str, Any]]], pp: int, layout: tuple
+) -> None:
+    """Every transfer goes through ``batch_isend_irecv`` in the batches of ``p2p_plan``
+    (each send with the receive needed next, some receives early): the training and
+    evaluation losses and every stage's gradients equal one process's."""
+    reference = _toy_reference(pp, layout, toy_runs[0][(pp, *layout)]["tokens"])
+    for rank, rank_results in enumerate(toy_runs):
+        got = rank_results[(pp, *layout)]
+        if rank % pp == pp - 1:  # the last stage computes the losses
+            torch.testing.assert_close(got["train"], reference["train"], **TOL)
+            torch.testing.assert_close(got["eval"], reference["eval"], **TOL)
+        else:
+            assert got["train"] is None and got["eval"] is None
+        assert got["grads"], "every rank holds some parameters"
+        for name, grad in got["grads"].items():
+            torch.testing.assert_close(grad, reference["grads"][name], **TOL, msg=name)

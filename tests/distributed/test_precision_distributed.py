@@ -42,25 +42,34 @@ def _full_model() -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     return params, targets
 
 
-def _reference_step() -> dict[str, Tensor]:
-    """One SGD(lr=1) step of the whole model in one process, clipped by torch."""
+def _reference_step(clip: bool = True) -> dict[str, Tensor]:
+    """One SGD(lr=1) step of the whole model in one process, clipped by torch (or not)."""
     params, targets = _full_model()
     full = {k: nn.Parameter(v.clone()) for k, v in params.items()}
     sum(((full[k] - targets[k]) ** 2).sum() for k in full).backward()
-    nn.utils.clip_grad_norm_(full.values(), MAX_NORM)
+    if clip:
+        nn.utils.clip_grad_norm_(full.values(), MAX_NORM)
     return {k: (p - p.grad).detach() for k, p in full.items()}
+
+
+def _reference_grad_norm() -> float:
+    """The whole model's gradient norm before clipping."""
+    params, targets = _full_model()
+    grads = [2 * (params[k] - targets[k]) for k in params]  # d/dp of sum((p - t)^2)
+    return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()
 
 
 class _SplitModel(L.LightningModule):
     """This rank's share of the model; the loss is a sum of independent terms per parameter,
     so each held parameter's gradient equals its gradient in the whole model."""
 
-    def __init__(self, rank: int, inf_at: int | None) -> None:
+    def __init__(self, rank: int, inf_at: int | None, fused: bool = False) -> None:
         super().__init__()
         params, targets = _full_model()
         self.held = nn.ParameterDict({k: nn.Parameter(params[k]) for k in HELD[rank]})
         self.targets = {k: targets[k] for k in HELD[rank]}
         self.inf_at = inf_at
+        self.fused = fused
         self.history: list[dict[str, Tensor]] = []
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -71,7 +80,8 @@ class _SplitModel(L.LightningModule):
         self.history.append({k: p.detach().clone() for k, p in self.held.items()})
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1.0)
+        # fused=True: the optimizer Lightning's MixedPrecision refuses to clip for.
+        return torch.optim.SGD(self.parameters(), lr=1.0, fused=self.fused)
 
 
 class _SplitStrategy(SingleDeviceStrategy):
@@ -87,27 +97,50 @@ class _SplitStrategy(SingleDeviceStrategy):
         return GradientLayout(group=dist.group.WORLD, pieces=pieces)
 
 
-def _case_found_inf_and_clipping(rank: int) -> None:
-    plugin = FP16MixedPrecision(device="cpu", init_scale=1024.0, growth_interval=100)
-    model = _SplitModel(rank, inf_at=1 if rank == 1 else None)
+def _fit_split(model: _SplitModel, plugin: FP16MixedPrecision, steps: int) -> None:
     trainer = L.Trainer(
         strategy=_SplitStrategy(device="cpu"),
         plugins=[plugin],
-        max_steps=2,
+        max_steps=steps,
         gradient_clip_val=MAX_NORM,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(torch.zeros(2, 1), batch_size=1))
-    expected = _reference_step()
-    for name, value in model.history[0].items():  # step 0: clipped by the global norm
-        torch.testing.assert_close(value, expected[name])
+    trainer.fit(model, DataLoader(torch.zeros(steps, 1), batch_size=1))
+
+
+def _assert_clipped_step(rank: int, stepped: dict[str, Tensor]) -> None:
+    """``stepped`` is this rank's share of the step torch takes after clipping the whole
+    model's gradients by their global norm; the step without clipping is another."""
+    assert _reference_grad_norm() > 10 * MAX_NORM  # clipping must change this step
+    clipped, unclipped = _reference_step(clip=True), _reference_step(clip=False)
+    for name, value in stepped.items():
+        torch.testing.assert_close(value, clipped[name])
+        assert not torch.allclose(value, unclipped[name]), (rank, name)
+
+
+def _case_found_inf_and_clipping(rank: int) -> None:
+    plugin = FP16MixedPrecision(device="cpu", init_scale=1024.0, growth_interval=100)
+    model = _SplitModel(rank, inf_at=1 if rank == 1 else None)
+    _fit_split(model, plugin, steps=2)
+    _assert_clipped_step(rank, model.history[0])  # step 0: clipped by the global norm
     for name, value in model.history[1].items():  # step 1: rank 1 overflowed, all skip
         assert torch.equal(value, model.history[0][name]), (rank, name)
     assert plugin.loss_scaler.scale == 512.0
     assert plugin.loss_scaler.skipped_steps == 1
+
+
+def _case_clipping_with_a_fused_optimizer(rank: int) -> None:
+    # Lightning's MixedPrecision refuses to clip for a fused optimizer (GradScaler leaves
+    # unscaling to its step); ours unscales first, so the clip must happen, by the norm of
+    # the whole split model, exactly as torch's clip_grad_norm_ does in one process.
+    plugin = FP16MixedPrecision(device="cpu", init_scale=1024.0, growth_interval=100)
+    model = _SplitModel(rank, inf_at=None, fused=True)
+    _fit_split(model, plugin, steps=1)
+    assert plugin.loss_scaler.skipped_steps == 0
+    _assert_clipped_step(rank, model.history[0])
 
 
 def _case_dtensor_default_layout(rank: int) -> None:
@@ -123,11 +156,14 @@ def _case_dtensor_default_layout(rank: int) -> None:
     reference = [nn.Parameter(torch.zeros_like(g)) for g in full_grads]
     for ref, grad in zip(reference, full_grads, strict=True):
         ref.grad = grad.clone()
+    unclipped = [g.clone() for g in full_grads]  # a replicated grad shares their memory
     expected_norm = nn.utils.clip_grad_norm_(reference, MAX_NORM)
     norm = clip_grads_by_global_norm_(default_gradient_layout(params), MAX_NORM)
     torch.testing.assert_close(norm, expected_norm)
-    for param, ref in zip(params, reference, strict=True):
+    assert norm > 2 * MAX_NORM  # so the gradients below were scaled down
+    for param, ref, before in zip(params, reference, unclipped, strict=True):
         torch.testing.assert_close(param.grad.full_tensor(), ref.grad)
+        assert not torch.allclose(param.grad.full_tensor(), before)
 
 
 def _case_precision_check_gathers_dtensor(rank: int) -> None:
@@ -149,11 +185,13 @@ def _case_precision_check_gathers_dtensor(rank: int) -> None:
 def _all_cases(rank: int, world_size: int) -> None:
     assert world_size == WORLD_SIZE
     _case_found_inf_and_clipping(rank)
+    _case_clipping_with_a_fused_optimizer(rank)
     _case_dtensor_default_layout(rank)
     _case_precision_check_gathers_dtensor(rank)
 
 
 def test_precision_mesh_cases_on_two_processes() -> None:
-    """Found-inf on one rank skips the step on all; split-model and DTensor clipping equal
-    single-process clipping; PrecisionCheck records full logical tensors."""
+    """Found-inf on one rank skips the step on all; split-model clipping (also for a fused
+    optimizer) and DTensor clipping equal single-process clipping; PrecisionCheck records
+    full logical tensors."""
     run_distributed(_all_cases, WORLD_SIZE)

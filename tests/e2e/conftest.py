@@ -35,3 +35,14 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mnist")
     prepare_mnist(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_llama3(shakespeare_llama3: Path, tmp_path_factory) -> dict[int, float]:
+    """Step -> loss of one uninterrupted single-process run of the Llama debug recipe
+    (8 steps at batch 4, seq_len 32): what every resumed layout must reproduce."""
+    from kill_during_save import STEPS, save_events
+
+    losses, _ = save_events(shakespeare_llama3, tmp_path_factory.mktemp("uninterrupted"), "single")
+    assert sorted(losses) == list(range(STEPS))
+    return losses

@@ -8,6 +8,7 @@ the checkpoint; the resume continues that fit; generate reads that checkpoint.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.precision_plugins import BF16MixedPrecision, FP16MixedPrecision, FP32Precision
 
-from _cli import RECIPES, REPO, logged_losses, run_cli
+from _cli import RECIPES, REPO, cli_error, logged_losses, run_cli
 
 ALL_RECIPES = sorted(RECIPES.glob("*.yaml"))
 # Tiny overrides that keep every CPU fit to seconds while running the recipe's real path.
@@ -139,7 +140,7 @@ def test_fit_writes_logs_config_and_checkpoints(gpt2_run: Path) -> None:
     assert logged_losses(gpt2_run, "val_loss")
     assert logged_losses(gpt2_run, "train/device/items_per_sec")  # tokens/s (throughput monitor)
     assert logged_losses(gpt2_run, "lr-AdamW/pg1")
-    ckpt = torch.load(gpt2_run.parent / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(gpt2_run.parent / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
 
 
@@ -168,7 +169,7 @@ def test_resume_from_last_equals_an_uninterrupted_run(
     assert sorted(after_resume) == [4, 5]
     expected = logged_losses(uninterrupted, "train_loss")
     assert after_resume == pytest.approx({s: expected[s] for s in (4, 5)}, rel=1e-6)
-    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 6
 
 
@@ -207,11 +208,11 @@ def test_ddp_two_processes_from_the_same_recipe(shakespeare_gpt2: Path, tmp_path
     )  # fmt: skip
     run = tmp_path / "gpt2_debug_shakespeare_cpu" / "version_0"
     assert len(logged_losses(run, "train_loss")) == 2
-    ckpt = torch.load(run.parent / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(run.parent / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 2
-    # Each of the 2 ranks took its own half of the data: the saved position counts
-    # this rank's samples, i.e. steps x per-rank batch.
-    assert ckpt["TokenDataModule"]["samples"] == 2 * 2
+    # The saved position counts the samples of both ranks (steps x per-rank batch x 2), so
+    # a resume under any dp size continues where this run stopped.
+    assert ckpt["TokenDataModule"]["position"] == 2 * 2 * 2
 
 
 def test_mnist_recipe_fits(mnist_dir: Path, tmp_path: Path) -> None:
@@ -232,3 +233,62 @@ def test_prepare_reports_what_it_wrote(tmp_path: Path) -> None:
     summary = json.loads(proc.stdout)
     assert summary["train_images"] == 4500
     assert (out / "train-images-idx3-ubyte").is_file()
+
+
+def test_user_errors_end_the_real_command_in_one_line(tmp_path: Path) -> None:
+    # Through the console entry point (one subprocess: ~10 s of imports): exit status 2,
+    # the message last, no traceback and no usage (cli_error checks), nothing written.
+    recipe = str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml")
+    runs = f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"
+    line = cli_error(
+        "fit", "--config", recipe, runs, f"--data.init_args.data_dir={tmp_path}",
+        "--data.init_args.seq_len=512", cwd=REPO,
+    )  # fmt: skip
+    assert line == "plugintrain fit: error: seq_len=512 exceeds the model's max_seq_len=256"
+    assert not (tmp_path / "runs").exists()
+    # The other bad inputs go through `main` in-process: tests/unit/test_cli_errors.py,
+    # test_generate.py and test_compare.py.
+
+
+def test_llama_recipe_on_gpt2_tokens_names_the_prepare_command_that_fixes_it(
+    shakespeare_gpt2: Path, shakespeare_llama3: Path, tmp_path: Path, capfd
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shakespeare_gpt2").symlink_to(shakespeare_gpt2)
+    # What the hinted command writes, already written (by the session fixture): running
+    # it is then quick, and must leave files the Llama recipe accepts.
+    (data / "shakespeare_llama3").symlink_to(shakespeare_llama3)
+    recipe = str(RECIPES / "llama3_debug_shakespeare_cpu.yaml")
+    fit = ["fit", "--config", recipe, f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    assert main([*fit, f"--data.init_args.data_dir={data / 'shakespeare_gpt2'}"]) == 2
+    line = capfd.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(
+        f"plugintrain fit: error: {data / 'shakespeare_gpt2'} holds gpt2 tokens (its"
+        " meta.json) but the model reads llama3 tokens; prepare them with `plugintrain"
+        f" prepare shakespeare --tokenizer llama3 --out {data / 'shakespeare_llama3'}`"
+    )
+    prepare, data_dir = (shlex.split(part) for part in line.split("`")[1::2])
+    assert main(prepare[1:]) == 0
+    cli = PluginTrainCLI(args=[*fit[1:], *data_dir], run=False)
+    assert cli.datamodule.tokenizer == "llama3"
+    assert cli.datamodule.data_dir == data / "shakespeare_llama3"
+
+
+def test_generate_beyond_the_context_names_the_options_that_fit(gpt2_run: Path, capsys) -> None:
+    ckpt = f"--ckpt_path={gpt2_run.parent / 'checkpoints' / 'last.ckpt'}"
+    prompt = "ROMEO: " * 83  # 250 GPT-2 tokens of the model's 256
+    args = ["generate", ckpt, f"--prompt={prompt}", "--temperature=0", "--json"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--max_new_tokens=10"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "plugintrain generate: error: the prompt's 250 tokens + --max_new_tokens 10 = 260"
+        " exceed the model's block_size=256; pass --max_new_tokens 6, or --no_cache to"
+        " crop the context to the last 256 tokens (`plugintrain generate --help` lists the"
+        " options)\n"
+    )
+    assert main([*args, "--max_new_tokens", "6"]) == 0  # either fix, as given, works
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 256
+    assert main([*args, "--max_new_tokens=10", "--no_cache"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 260

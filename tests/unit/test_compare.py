@@ -10,7 +10,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from plugintrain.callbacks.precision_check import step_file
 from plugintrain.cli import main
-from plugintrain.tools.compare import DEFAULT_RTOL, relative_diff
+from plugintrain.tools.compare import DEFAULT_RTOL, relative_diff, step_ranges
 
 
 def _tensorboard_run(path: Path, losses: list[float], tag: str = "train_loss") -> Path:
@@ -59,18 +59,53 @@ def test_losses_within_and_beyond_tolerance(tmp_path: Path, capsys) -> None:
     assert DEFAULT_RTOL == {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-3}
 
 
-def test_bad_input_exits_2(tmp_path: Path, capsys) -> None:
+def _last_error_line(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys) -> None:
     base = _tensorboard_run(tmp_path / "a", [3.0, 2.5])
     assert main(["compare", str(base), str(tmp_path / "missing")]) == 2
-    assert "no such directory" in capsys.readouterr().out
+    assert _last_error_line(capsys).endswith("missing: no such directory.")
     other_tag = _tensorboard_run(tmp_path / "b", [3.0], tag="loss")
     assert main(["compare", str(base), str(other_tag)]) == 2
-    assert "found ['loss']" in capsys.readouterr().out
+    assert _last_error_line(capsys).endswith("found ['loss'].")
     later = _tensorboard_run(tmp_path / "c", [])
     with SummaryWriter(str(later / "version_0")) as writer:
         writer.add_scalar("train_loss", 1.0, 10)
     assert main(["compare", str(base), str(later)]) == 2
-    assert "no common steps" in capsys.readouterr().out
+    assert _last_error_line(capsys).endswith("have no common steps.")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--rtol", "-1"], "--rtol must be a finite number >= 0, got -1.0"),
+        (["--dtype", "bf17"], "argument --dtype: invalid choice: 'bf17'"),
+        (["--rt", "0.1"], "unrecognized arguments: --rt 0.1"),  # never abbreviated
+    ],
+    ids=["negative-rtol", "dtype", "abbreviation"],
+)
+def test_bad_options_exit_2_with_one_line(tmp_path: Path, capsys, argv, message) -> None:
+    run = _tensorboard_run(tmp_path / "a", [3.0])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", str(run), str(run), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"plugintrain compare: error: {message}")
+
+
+def test_a_run_missing_steps_fails_and_lists_them(tmp_path: Path, capsys) -> None:
+    full = _tensorboard_run(tmp_path / "full", [3.0, 2.5, 2.0, 1.8, 1.7, 1.6])
+    short = _tensorboard_run(tmp_path / "short", [3.0, 2.5])
+    with SummaryWriter(str(short / "version_0")) as writer:
+        writer.add_scalar("train_loss", 1.7, 4)  # steps 2, 3 and 5 are missing
+    assert main(["compare", str(full), str(short)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "losses over 3 common steps: all within" in out[-2]
+    assert out[-1] == f"{short} lacks the losses of steps 2-3, 5 that {full} has"
+    assert main(["compare", str(short), str(full)]) == 1  # either way round
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"{short} lacks")
 
 
 def test_first_diverging_module_from_checker_files(tmp_path: Path, capsys) -> None:
@@ -83,3 +118,18 @@ def test_first_diverging_module_from_checker_files(tmp_path: Path, capsys) -> No
     assert "losses over 2 common steps: all within" in out  # losses from the checker files
     assert "first diverging module at step 1: block.0 (output)" in out
     assert main(["compare", str(run_a), str(run_a)]) == 0
+
+
+def test_missing_checker_steps_fail(tmp_path: Path, capsys) -> None:
+    same = [_record("embed", 0.1)]
+    run_a = _check_run(tmp_path / "a", {0: same, 1: same, 2: same})
+    run_b = _check_run(tmp_path / "b", {0: same, 1: same})
+    assert main(["compare", str(run_a), str(run_b)]) == 1
+    out = capsys.readouterr().out
+    assert f"{run_b} lacks the losses of step 2 that {run_a} has" in out
+    assert f"{run_b} lacks the module statistics of step 2 that {run_a} has" in out
+
+
+def test_step_ranges() -> None:
+    assert step_ranges([9, 3, 4, 5, 7]) == "3-5, 7, 9"
+    assert step_ranges([]) == ""

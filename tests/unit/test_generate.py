@@ -79,3 +79,136 @@ def test_uncached_generation_crops_to_block_size():
     lm = _lm("gpt2-debug")
     out = lm.generate(torch.zeros(1, 30, dtype=torch.long), 5, use_cache=False)
     assert out.shape == (1, 35)
+
+
+# `plugintrain generate` checks its options before it loads anything: the checkpoint path
+# below does not exist, and each error is about the option, not the file.
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt="], "--prompt is empty; give the text to continue, e.g. --prompt 'ROMEO:'"),
+        (["--top_k=0"], "--top_k must be >= 1 (1 is greedy), got 0"),
+        (["--max_new_tokens=-3"], "--max_new_tokens must be >= 1, got -3"),
+        (["--max_new_tokens=0"], "--max_new_tokens must be >= 1, got 0"),
+        (["--temperature=-0.5"], "--temperature must be >= 0 (0 is greedy), got -0.5"),
+        (["--temperature=nan"], "--temperature must be >= 0 (0 is greedy), got nan"),
+        (["--num_samples=0"], "--num_samples must be >= 1, got 0"),
+        (["--max_new=5"], "unrecognized arguments: --max_new=5"),  # never abbreviated
+        (
+            [],
+            "--ckpt_path missing.ckpt: no such file or directory; pass the last.ckpt that"
+            " `plugintrain fit` wrote, e.g. runs/<recipe>/checkpoints/last.ckpt",
+        ),
+    ],
+    ids=["empty-prompt", "top_k", "negative-tokens", "zero-tokens", "temperature", "nan",
+         "samples", "abbreviation", "no-checkpoint"],
+)  # fmt: skip
+def test_bad_option_is_one_line_before_loading(capsys, argv, message):
+    from plugintrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ckpt_path=missing.ckpt", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"plugintrain generate: error: {message}"
+        " (`plugintrain generate --help` lists the options)\n"
+    )
+
+
+# ---- generated tokens against reference decoders --------------------------------------------
+# The tests above compare generate's two paths with each other; these check what both
+# produce against decoders written without generate's code: a plain loop over the model's
+# full forward, a sampler of its own drawing from the same seeded generator, and Hugging
+# Face's generate on the same GPT-2 weights.
+
+
+def _spread_lm(preset: str) -> CausalLM:
+    # init_std 0.2 instead of 0.02: near-uniform logits make every decoder repeat one token.
+    torch.manual_seed(0)
+    config = TransformerConfig.from_name(
+        preset, vocab_size=64, block_size=32, n_layer=2, init_std=0.2
+    )
+    lm = CausalLM(config)
+    lm.configure_model()
+    return lm.eval()
+
+
+@torch.no_grad()
+def _plain_decode(lm: CausalLM, prompt: torch.Tensor, steps: int, pick) -> torch.Tensor:
+    """Each step runs the model over the whole sequence (no cache) and appends ``pick``'s
+    token for the last position."""
+    idx = prompt
+    for _ in range(steps):
+        logits = lm.model(idx)[:, -1]  # (B, V)
+        idx = torch.cat((idx, pick(logits)), dim=1)
+    return idx
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+
+
+def _reference_sampler(temperature: float, top_k: int):
+    """Temperature, then keep the top_k logits (found by sorting), then one multinomial draw
+    per row from the global generator, as ``generate`` promises."""
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        scaled = logits / temperature
+        kth = scaled.sort(dim=-1, descending=True).values[:, top_k - 1 : top_k]  # (B, 1)
+        scaled = torch.where(scaled < kth, float("-inf"), scaled)
+        return torch.multinomial(scaled.float().softmax(dim=-1), num_samples=1)
+
+    return pick
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("preset", ["gpt2-debug", "llama3-debug"])
+def test_greedy_equals_plain_decoding(preset, use_cache):
+    lm = _spread_lm(preset)
+    got = lm.generate(_prompt(), max_new_tokens=12, temperature=0.0, use_cache=use_cache)
+    expected = _plain_decode(lm, _prompt(), 12, _greedy)
+    assert len(set(expected[:, 5:].flatten().tolist())) > 4  # not one repeated token
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("preset", ["gpt2-debug", "llama3-debug"])
+def test_top_k_sampling_equals_a_reference_sampler(preset, use_cache):
+    lm = _spread_lm(preset)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        got = lm.generate(_prompt(), 12, temperature=0.8, top_k=5, use_cache=use_cache)
+        torch.manual_seed(seed)
+        expected = _plain_decode(lm, _prompt(), 12, _reference_sampler(0.8, top_k=5))
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"seed {seed}")
+
+
+def test_generate_equals_hugging_face_on_the_same_gpt2():
+    import transformers  # test dependency (pyproject [test]), as in test_hf_parity.py
+
+    from plugintrain.model_zoo import gpt2
+
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(hf_config).eval()
+    config = TransformerConfig.from_name(
+        "gpt2-debug", vocab_size=64, block_size=32, n_embd=32, n_layer=2, n_head=4
+    )
+    lm = CausalLM(config)
+    lm.configure_model()
+    lm.model.load_state_dict(gpt2.from_hf_state_dict(hf.state_dict(), config))
+    lm.eval()
+    prompt = _prompt()
+    hf_args = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 12, "pad_token_id": 0}
+    greedy = hf.generate(prompt, do_sample=False, **hf_args)
+    torch.testing.assert_close(lm.generate(prompt, 12, temperature=0.0), greedy, rtol=0, atol=0)
+    for seed in range(3):  # HF draws one multinomial per step from the global generator too
+        torch.manual_seed(seed)
+        sampled = hf.generate(prompt, do_sample=True, temperature=0.8, top_k=5, **hf_args)
+        torch.manual_seed(seed)
+        ours = lm.generate(prompt, 12, temperature=0.8, top_k=5)
+        torch.testing.assert_close(ours, sampled, rtol=0, atol=0, msg=f"seed {seed}")

@@ -7,7 +7,7 @@ lists for small cases, and against the closed-form bubble of the papers.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from fractions import Fraction
 
 import pytest
@@ -18,17 +18,21 @@ from plugintrain.strategies.pipeline_schedules import (
     DeadlockError,
     Schedule,
     Simulation,
+    Transfer,
     build_schedule,
     check_complete,
+    check_rendezvous,
     forward_only,
     gpipe,
     interleaved,
     one_f_one_b,
+    p2p_plan,
     release_points,
     simulate,
     textbook_bubble,
     validate,
 )
+from plugintrain.tools.schedule import to_json
 
 PPS = (1, 2, 3, 4, 8)
 MICROBATCHES = (1, 2, 4, 8, 16)
@@ -475,3 +479,191 @@ def test_a_send_is_released_only_after_its_receiver_ran(
             for kind, stage, mb in messages:
                 consumer = ("F", stage + 1, mb) if kind == "F" else ("B", stage - 1, mb)
                 assert releaser.start >= end[consumer], (rank, index, (kind, stage, mb))
+
+
+# ---- NCCL-safe batches: each send waits for its receive ----------------------------------------
+
+
+def _accepts(name: str, pp: int, vpp: int, m: int) -> bool:
+    try:
+        validate(pp, vpp, m, name)  # what PipelineOptions.resolve lets a strategy run
+    except ValueError:
+        return False
+    return True
+
+
+# Every layout the strategies accept for pp 2..8, vpp 1..4 and up to 32 micro-batches.
+GRID = [(pp, vpp, m) for pp in range(2, 9) for vpp in range(1, 5) for m in range(1, 33)]
+ACCEPTED = {name: [layout for layout in GRID if _accepts(name, *layout)] for name in SCHEDULES}
+
+
+def _io(s: Schedule, rank: int, action: Action) -> tuple[tuple | None, tuple | None]:
+    """The message ``action`` receives and the one it sends, from the stage layout."""
+    stage, mb, last = s.stage_of(rank, action.chunk), action.microbatch, s.num_stages - 1
+    if action.kind == "F":
+        return ("F", stage - 1, mb) if stage else None, ("F", stage, mb) if stage < last else None
+    return ("B", stage + 1, mb) if stage < last else None, ("B", stage, mb) if stage else None
+
+
+def _check_plan(s: Schedule, plan: list[list[tuple[Transfer, ...]]]) -> int:
+    """What the executor relies on, read off the batches; returns the most actions that
+    come between a receive and the action that needs it."""
+    early = 0
+    links: dict[tuple[str, int, int], list[tuple]] = defaultdict(list)
+    for rank, batches in enumerate(plan):
+        io = [_io(s, rank, action) for action in s.actions[rank]]
+        assert len(batches) == len(io) + 1
+        posted: dict[tuple, int] = {}
+        for index, batch in enumerate(batches):
+            produced = io[index - 1][1] if index else None
+            # what an action produces goes out at once: no send is held back
+            assert [t.message for t in batch if t.op == "send"] == ([produced] if produced else [])
+            for op, message, peer in batch:
+                kind, stage, _ = message
+                other = stage + (1 if kind == "F" else -1) if op == "send" else stage
+                assert peer == other % s.pp != rank
+                links[(op, rank, peer) if op == "send" else (op, peer, rank)].append(message)
+                if op == "recv":
+                    posted[message] = index
+        for index, (needed, _) in enumerate(io):
+            if needed is not None:
+                at = posted.pop(needed)
+                assert at <= index, (rank, s.actions[rank][index])  # received before it runs
+                early = max(early, index - at)
+        assert not posted, f"rank {rank} receives what it never uses: {posted}"
+    # NCCL ignores tags: on every link, the receives come in the order of the sends.
+    sends = {link[1:]: messages for link, messages in links.items() if link[0] == "send"}
+    receives = {link[1:]: messages for link, messages in links.items() if link[0] == "recv"}
+    assert sends == receives
+    return early
+
+
+def test_accepted_layouts_are_enumerated() -> None:
+    # GPipe and 1F1B run one chunk: 7 pp x 32 m = 224 layouts each; interleaved needs
+    # microbatches % pp == 0: 4 vpp x (16 + 10 + 8 + 6 + 5 + 4 + 4) = 212.
+    counts = {name: len(layouts) for name, layouts in ACCEPTED.items()}
+    assert counts == {"gpipe": 224, "1f1b": 224, "interleaved": 212}
+    assert (4, 2, 6) not in ACCEPTED["interleaved"] and (4, 2, 8) in ACCEPTED["interleaved"]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_batches_complete_when_each_send_waits_for_its_receive(name: str) -> None:
+    """The proof, over every accepted layout, for the batches the executor posts."""
+    most_early = 0
+    for pp, vpp, m in ACCEPTED[name]:
+        schedule = build_schedule(name, pp, vpp, m)
+        plan = p2p_plan(schedule)
+        check_rendezvous(schedule, plan)
+        most_early = max(most_early, _check_plan(schedule, plan))
+    # GPipe and 1F1B receive just in time; interleaved at most one action early (a rank
+    # holds one received buffer more, at most).
+    assert most_early == (1 if name == "interleaved" else 0)
+
+
+def test_evaluation_batches_complete_when_each_send_waits_for_its_receive() -> None:
+    """Evaluation runs `forward_only` for any micro-batch count (the gcd of the batch and
+    `microbatches`): every layout of the grid."""
+    for pp, vpp, m in GRID:
+        schedule = forward_only(pp, vpp, m)
+        plan = p2p_plan(schedule)
+        check_rendezvous(schedule, plan)
+        early = _check_plan(schedule, plan)
+        assert early == 0 or vpp > 1  # one chunk: a chain, received just in time
+
+
+def _brief(plan: list[list[tuple[Transfer, ...]]]) -> list[list[str]]:
+    return [
+        [", ".join(f"{t.op} {t.message[0]}{t.message[2]}" for t in batch) for batch in batches]
+        for batches in plan
+    ]
+
+
+def test_one_f_one_b_sends_with_the_receive_needed_next_by_hand() -> None:
+    # Entry i goes out before action i; rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3 and rank 1
+    # F0 B0 F1 B1 F2 B2 F3 B3. In the steady state rank 0 posts "send F_i, recv B_j" while
+    # rank 1 posts "send B_j, recv F_i" (Megatron's send_forward_recv_backward and
+    # send_backward_recv_forward), so neither waits for the other.
+    rank0, rank1 = _brief(p2p_plan(one_f_one_b(2, 4)))
+    assert rank0 == ["", "send F0", "send F1, recv B0", "", "send F2, recv B1", "",
+                     "send F3, recv B2", "recv B3", ""]  # fmt: skip
+    assert rank1 == ["recv F0", "", "send B0, recv F1", "", "send B1, recv F2", "",
+                     "send B2, recv F3", "", "send B3"]  # fmt: skip
+
+
+def _one_at_a_time(plan: list[list[tuple[Transfer, ...]]]) -> list[list[tuple[Transfer, ...]]]:
+    """The same transfers posted one by one, each send before the receive beside it: the
+    executor before batching (isend, then irecv and wait)."""
+    return [[(t,) for batch in batches for t in batch] for batches in plan]
+
+
+def test_unpaired_one_f_one_b_hangs_when_sends_wait_for_receives() -> None:
+    schedule = one_f_one_b(2, 4)
+    simulate(schedule)  # runs where sends never wait (gloo)
+    # Both ranks send first: rank 0 F1 (received after rank 1's send of B0), rank 1 B0
+    # (received after rank 0's send of F1). NVIDIA/nccl#479.
+    with pytest.raises(DeadlockError) as raised:
+        check_rendezvous(schedule, _one_at_a_time(p2p_plan(schedule)))
+    assert str(raised.value) == (
+        "The 1f1b schedule deadlocks when a send waits for its receive: rank 0 waits at"
+        " [send F1 of stage 0 to rank 1], rank 1 waits at [send B0 of stage 1 to rank 0]."
+    )
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_unpaired_batches_hang_wherever_neighbours_exchange(name: str) -> None:
+    """Posted one transfer at a time, every layout hangs whose ranks send both ways in
+    turn: all of 1F1B's and interleaved's but those that run like GPipe (one
+    micro-batch, or interleaved with vpp = 1 and m = pp: every forward first)."""
+    for pp, vpp, m in ACCEPTED[name][::5]:
+        schedule = build_schedule(name, pp, vpp, m)
+        unpaired = _one_at_a_time(p2p_plan(schedule))
+        if name == "gpipe" or m == 1 or (name == "interleaved" and vpp == 1 and m == pp):
+            check_rendezvous(schedule, unpaired)
+        else:
+            with pytest.raises(DeadlockError, match="deadlocks when a send waits"):
+                check_rendezvous(schedule, unpaired)
+
+
+def _just_in_time(
+    s: Schedule, plan: list[list[tuple[Transfer, ...]]]
+) -> list[list[tuple[Transfer, ...]]]:
+    """The same transfers with every receive moved back to just before its action."""
+    moved = []
+    for rank, batches in enumerate(plan):
+        receives = {t.message: t for batch in batches for t in batch if t.op == "recv"}
+        rank_batches = [[t for t in batch if t.op == "send"] for batch in batches]
+        for index, action in enumerate(s.actions[rank]):
+            needed = _io(s, rank, action)[0]
+            if needed is not None:
+                rank_batches[index].append(receives[needed])
+        moved.append([tuple(batch) for batch in rank_batches])
+    return moved
+
+
+def test_interleaved_posts_a_receive_early_where_just_in_time_hangs() -> None:
+    # pp = 2, vpp = 2: after B0.1, rank 0 sends B0 of stage 2 alone (its next action, F3
+    # on stage 0, receives nothing) and receives B1 of stage 3 only in the batch after;
+    # rank 1 sends that B1 before it receives rank 0's B0 in its next batch. Both sends
+    # wait, so rank 1 receives B0 with the input of F2, an action before B0 needs it.
+    schedule = interleaved(2, 2, 4)
+    plan = p2p_plan(schedule)
+    check_rendezvous(schedule, plan)
+    with pytest.raises(DeadlockError, match=r"rank 0 waits at \[send B0 of stage 2 to rank 1\]"):
+        check_rendezvous(schedule, _just_in_time(schedule, plan))
+    assert _text(schedule.actions[1][6:8]) == "F2 B0"
+    assert _brief(plan)[1][6:8] == ["send B1, recv F2, recv B0", "send F2, recv F3"]
+
+
+def test_simulate_in_rendezvous_mode() -> None:
+    sim = simulate(interleaved(4, 2, 8), rendezvous=True)
+    assert sim.rendezvous is True
+    assert to_json(sim)["rendezvous_deadlock_free"] is True  # `plugintrain schedule --json`
+    assert sim.summary().endswith(
+        "p2p order matched: True, deadlock-free when sends wait for their receives (NCCL)"
+    )
+    assert simulate(interleaved(4, 2, 8)).rendezvous is False
+    assert "sends wait" not in simulate(interleaved(4, 2, 8)).summary()
+    # A send that no rank receives waits forever.
+    hand_made = [[(Transfer("send", ("F", 0, 0), 1),)], [()]]
+    with pytest.raises(DeadlockError, match=r"rank 0 waits at \[send F0 of stage 0 to rank 1\]"):
+        check_rendezvous(one_f_one_b(2, 1), hand_made)

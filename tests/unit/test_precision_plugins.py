@@ -208,7 +208,7 @@ def test_scale_survives_checkpoint_and_resume(tmp_path) -> None:
     trainer.fit(TinyModel(inf_at=(0,)), _loader(4))
     path = tmp_path / "fp16.ckpt"
     trainer.save_checkpoint(path)
-    assert torch.load(path, weights_only=False)["FP16MixedPrecision"]["scale"] == 512.0
+    assert torch.load(path, weights_only=True)["FP16MixedPrecision"]["scale"] == 512.0
 
     resumed = FP16MixedPrecision(init_scale=1024.0, growth_interval=100)
     history = _ParamHistory()

@@ -1,12 +1,17 @@
 """Preparing Shakespeare token files and MNIST IDX files from the offline assets."""
 
 import gzip
+import hashlib
 import json
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from plugintrain.cli import main
 from plugintrain.data import (
+    AssetError,
     MNISTDataModule,
     get_tokenizer,
     prepare_mnist,
@@ -15,7 +20,9 @@ from plugintrain.data import (
     read_token_bin,
     write_idx,
 )
+from plugintrain.data import prepare as prepare_module
 from plugintrain.data.mnist import IDX_FILES
+from plugintrain.data.prepare import FASHION_MNIST_DIR, FASHION_MNIST_SHA256
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +99,10 @@ def test_mnist_is_idempotent_and_deterministic(mnist_dir, tmp_path):
         assert (tmp_path / name).read_bytes() == (mnist_dir / name).read_bytes()
 
 
-def test_fashion_copies_gzipped_idx(tmp_path):
+def _fake_fashion(tmp_path):
+    """A small stand-in for Debian's Fashion-MNIST directory; the sha256 of each IDX file."""
     src = tmp_path / "fashion"
+    src.mkdir()
     rng = np.random.default_rng(0)
     arrays = {
         "train_images": rng.integers(0, 256, (20, 28, 28)),
@@ -101,15 +110,49 @@ def test_fashion_copies_gzipped_idx(tmp_path):
         "test_images": rng.integers(0, 256, (10, 28, 28)),
         "test_labels": np.arange(10),
     }
+    digests = {}
     for key, array in arrays.items():
-        plain = write_idx(tmp_path / IDX_FILES[key], array)
-        (src / f"{IDX_FILES[key]}.gz").parent.mkdir(exist_ok=True)
-        (src / f"{IDX_FILES[key]}.gz").write_bytes(gzip.compress(plain.read_bytes()))
+        plain = write_idx(tmp_path / IDX_FILES[key], array).read_bytes()
+        (src / f"{IDX_FILES[key]}.gz").write_bytes(gzip.compress(plain))
+        digests[IDX_FILES[key]] = hashlib.sha256(plain).hexdigest()
+    return src, digests
+
+
+def test_fashion_copies_gzipped_idx(tmp_path, monkeypatch):
+    src, digests = _fake_fashion(tmp_path)
+    monkeypatch.setattr(prepare_module, "FASHION_MNIST_SHA256", digests)
     out = tmp_path / "out"
     assert prepare_mnist(out, source="fashion", fashion_dir=src)["train_images"] == 20
     dm = MNISTDataModule(str(out), batch_size=5, val_fraction=0.2)
     dm.setup("fit")
     assert (len(dm.train_set), len(dm.val_set)) == (16, 4)
+
+
+def test_fashion_files_other_than_debian_s_are_refused_before_writing(tmp_path):
+    src, _ = _fake_fashion(tmp_path)  # not Fashion-MNIST: checked against the real sha256
+    out = tmp_path / "out"
+    name = IDX_FILES["train_images"]
+    with pytest.raises(AssetError) as info:
+        prepare_mnist(out, source="fashion", fashion_dir=src)
+    assert str(info.value).startswith(
+        f"{src / name}.gz: sha256 mismatch of the unpacked IDX data: expected"
+        f" {FASHION_MNIST_SHA256[name]}, got "
+    )
+    assert str(info.value).endswith(
+        "; reinstall it with `apt-get install --reinstall dataset-fashion-mnist`"
+    )
+    assert not out.exists()
+    (src / f"{name}.gz").write_bytes(b"not gzip")
+    with pytest.raises(AssetError, match="not a whole gzip file"):
+        prepare_mnist(out, source="fashion", fashion_dir=src)
+
+
+@pytest.mark.skipif(
+    not Path(FASHION_MNIST_DIR).is_dir(), reason="Debian's dataset-fashion-mnist not installed"
+)
+def test_debian_fashion_mnist_matches_the_pinned_sha256(tmp_path):
+    meta = prepare_mnist(tmp_path, source="fashion")
+    assert (meta["train_images"], meta["test_images"]) == (60000, 10000)
 
 
 def test_fashion_missing_says_how_to_install(tmp_path):
@@ -118,8 +161,16 @@ def test_fashion_missing_says_how_to_install(tmp_path):
 
 
 def test_missing_mnist_says_how_to_prepare(tmp_path):
-    with pytest.raises(FileNotFoundError, match="plugintrain prepare mnist"):
-        MNISTDataModule(str(tmp_path)).setup("fit")
+    # Refused on construction, so `plugintrain fit` stops before it launches anything.
+    with pytest.raises(FileNotFoundError) as info:
+        MNISTDataModule(str(tmp_path / "mnist"))
+    assert str(info.value) == (
+        f"{tmp_path / 'mnist' / IDX_FILES['train_images']}[.gz] not found; create the MNIST"
+        f" files with `plugintrain prepare mnist --out {tmp_path / 'mnist'}`"
+    )
+    command = shlex.split(str(info.value).split("`")[1])
+    assert main(command[1:]) == 0  # the hint works as given
+    MNISTDataModule(str(tmp_path / "mnist"))
 
 
 def test_bad_idx_header_is_named(tmp_path):

@@ -1,5 +1,7 @@
 """TokenDataModule: windows, seeded data-parallel sharding, checks, and exact resume."""
 
+import json
+import shlex
 from types import SimpleNamespace
 
 import lightning as L
@@ -9,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from plugintrain.data import TokenDataModule, write_token_bin
+from plugintrain.tools.prepare import _parser as prepare_parser
 
 T, B = 4, 2
 
@@ -89,8 +92,54 @@ def test_short_file_raises(tmp_path):
 
 
 def test_missing_file_says_how_to_prepare(tmp_path):
-    with pytest.raises(FileNotFoundError, match="plugintrain prepare shakespeare"):
-        _datamodule(tmp_path)
+    with pytest.raises(FileNotFoundError) as info:
+        TokenDataModule(str(tmp_path), seq_len=T, batch_size=B, tokenizer="llama3")
+    assert str(info.value) == (
+        f"token file {tmp_path / 'train.bin'} not found; create it with"
+        f" `plugintrain prepare shakespeare --tokenizer llama3 --out {tmp_path}`"
+    )
+    args = prepare_parser().parse_args(_command(str(info.value))[2:])
+    assert (args.dataset, args.tokenizer, args.out) == ("shakespeare", "llama3", str(tmp_path))
+
+
+def _meta(data_dir, tokenizer="gpt2", vocab_size=50257):
+    (data_dir / "meta.json").write_text(
+        json.dumps({"dataset": "shakespeare", "tokenizer": tokenizer, "vocab_size": vocab_size})
+    )
+    return data_dir
+
+
+def _command(message):
+    """The backquoted ``plugintrain ...`` command of a message, as argv."""
+    return shlex.split(message.split("`")[1])
+
+
+def test_token_files_of_another_tokenizer_are_refused_on_construction(data_dir):
+    _meta(data_dir, "gpt2")
+    with pytest.raises(ValueError) as info:
+        TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="llama3")
+    out = data_dir.parent / "shakespeare_llama3"
+    assert str(info.value) == (
+        f"{data_dir} holds gpt2 tokens (its meta.json) but the model reads llama3 tokens;"
+        f" prepare them with `plugintrain prepare shakespeare --tokenizer llama3 --out {out}`"
+        f" and pass `--data.init_args.data_dir {out}`"
+    )
+    args = prepare_parser().parse_args(_command(str(info.value))[2:])
+    assert (args.tokenizer, args.out, args.overwrite) == ("llama3", str(out), False)
+    # The same tokenizer, or files that record none (llm.c's), are accepted.
+    TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="gpt2")
+    (data_dir / "meta.json").unlink()
+    TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="llama3")
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_s_is_refused_on_construction(data_dir):
+    _meta(data_dir, "gpt2", vocab_size=50257)
+    with pytest.raises(ValueError) as info:
+        TokenDataModule(str(data_dir), seq_len=T, batch_size=B, vocab_size=1000)
+    assert str(info.value) == (
+        f"{data_dir} holds gpt2 tokens with ids up to 50256 (its meta.json), outside the"
+        " model's vocab_size=1000; give the model a vocab_size of at least 50257"
+    )
 
 
 class _Recorder(L.LightningModule):

@@ -1,0 +1,170 @@
+"""What ``--ckpt_path`` means, decided before anything is launched or written.
+
+- ``last`` is the newest *complete* checkpoint in the run's checkpoint directory (a save
+  killed midway is never picked); with none there, the run says plainly that it starts
+  from scratch. Leftovers of a killed save are cleaned up first.
+- Under ``torchrun --max-restarts N`` a restarted worker resumes from ``last`` by itself
+  (and its process group starts on fresh store keys: :func:`init_restarted_process_group`).
+- The model options of the command line and config are compared with the checkpoint's
+  hyperparameters: options left at their defaults take the checkpoint's values (as
+  LightningCLI does), options set to something else are an error naming both values,
+  unless ``--resume_overrides`` lists them.
+
+Hyperparameters are read without unpickling code: ``hyper_parameters.json`` beside a
+directory's shards, or a file's ``hyper_parameters`` with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from plugintrain.checkpoint_files import LIGHTNING_METADATA, load_torch_file, newest_complete
+from plugintrain.checkpoint_files import recover as recover_leftovers
+
+# LightningCLI's own entries beside a module's arguments.
+_CLI_KEYS = ("_class_path", "_instantiator")
+
+
+def elastic_restart() -> bool:
+    """Whether torchrun restarted this worker after a failure (``--max-restarts``)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def launching_rank() -> bool:
+    """The process that runs before any other rank exists, or global rank 0 under torchrun."""
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | None) -> str | None:
+    """The checkpoint a run resumes from: ``ckpt_path`` itself, or for ``last`` (given, or
+    implied by an elastic restart) the newest complete one in ``checkpoint_dir``.
+
+    Raises:
+        FileNotFoundError: ``ckpt_path`` names nothing (one line, with the fix).
+    """
+    if ckpt_path is None and elastic_restart():
+        ckpt_path = "last"
+    if ckpt_path is None or ckpt_path in ("best", "hpc", "registry"):
+        return ckpt_path
+    if ckpt_path != "last":
+        if "://" not in ckpt_path and not Path(ckpt_path).exists():
+            raise FileNotFoundError(
+                f"--ckpt_path {ckpt_path} does not exist; pass an existing checkpoint file or"
+                " directory, or --ckpt_path last for the newest in the run's checkpoint directory."
+            )
+        return ckpt_path
+    directory = Path(checkpoint_dir) if checkpoint_dir else None
+    if directory is not None and launching_rank():
+        for line in recover_leftovers(directory):
+            print(f"plugintrain: {line}")
+    found = newest_complete(directory) if directory is not None else None
+    if found is None:
+        print(f"plugintrain: no checkpoint in {directory}: starting from scratch.")
+        return None
+    if launching_rank():
+        print(f"plugintrain: resuming from {found} (the newest complete checkpoint).")
+    return str(found)
+
+
+def checkpoint_hparams(path: str) -> dict[str, Any]:
+    """The module hyperparameters saved in the checkpoint at ``path`` (no code is run)."""
+    from plugintrain.strategies.checkpoint import HPARAMS_FILENAME, read_hparams
+
+    file = Path(path)
+    if "://" in path:
+        return {}
+    if file.is_dir():
+        if (file / HPARAMS_FILENAME).is_file():
+            return read_hparams(file)
+        return dict(load_torch_file(file / LIGHTNING_METADATA).get("hyper_parameters") or {})
+    return dict(load_torch_file(file, mmap=True, map_location="cpu").get("hyper_parameters") or {})
+
+
+def reconcile(
+    ckpt_path: str,
+    saved: dict[str, Any],
+    given: dict[str, Any],
+    model_class: type | None,
+    overrides: list[str],
+) -> dict[str, Any]:
+    """The model options to resume with: ``given`` where it agrees with ``saved`` or is
+    listed in ``overrides``, the checkpoint's where ``given`` is only the class default.
+
+    Raises:
+        ValueError: An option set (not defaulted) to a value other than the checkpoint's.
+    """
+    defaults = _defaults(model_class)
+    merged = dict(given)
+    for key, value in saved.items():
+        if key in _CLI_KEYS or key not in given or _same(given[key], value):
+            continue
+        if key in overrides:
+            continue
+        if key in defaults and _same(given[key], defaults[key]):
+            merged[key] = value  # left at its default: the checkpoint decides
+            continue
+        raise ValueError(
+            f"{ckpt_path} was trained with model {key}={_show(value)}, but this run sets"
+            f" {key}={_show(given[key])}: drop that option to resume the checkpoint's model,"
+            f" or add --resume_overrides [{key}] to keep yours."
+        )
+    return merged
+
+
+def _defaults(model_class: type | None) -> dict[str, Any]:
+    if model_class is None:
+        return {}
+    return {
+        name: p.default
+        for name, p in inspect.signature(model_class).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "as_dict"):  # a jsonargparse Namespace
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if k not in _CLI_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _same(a: Any, b: Any) -> bool:
+    return _plain(a) == _plain(b)
+
+
+def _show(value: Any) -> str:
+    text = repr(_plain(value))
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def init_restarted_process_group(backend: str, timeout: timedelta | None) -> None:
+    """Initialize the default process group of a worker torchrun restarted, on a store
+    prefix of its own attempt.
+
+    torchrun keeps its store across restarts, and torch 2.13's ``env://`` initialization
+    under it hands a restarted gloo group the dead attempt's peer addresses
+    (``connectFullMesh ... Connection refused``; reproduced with a 10-line torch script).
+    A per-attempt prefix gives the new group fresh keys. Lightning then finds the group
+    initialized and keeps it. A no-op outside a restart.
+    """
+    if not elastic_restart() or dist.is_initialized():
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, False, **kwargs
+    )
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    prefixed = dist.PrefixStore(f"plugintrain/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, **kwargs)

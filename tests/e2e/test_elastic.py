@@ -1,0 +1,52 @@
+"""Elastic restart: under ``torchrun --max-restarts 1`` a job that loses a worker resumes
+from its last complete checkpoint by itself and ends with the uninterrupted run's weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugintrain.strategies.checkpoint import read_weights
+
+from _cli import RECIPES, REPO
+
+
+def _torchrun(data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "plugintrain", "fit",
+        "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
+        "--data.init_args.data_dir", str(data), "--data.init_args.seq_len", "32",
+        "--data.init_args.batch_size", "2", "--trainer.devices", "2",
+        "--trainer.strategy", "zero2", "--trainer.max_steps", "8",
+        "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--checkpoint.every_n_train_steps", "2",
+        "--trainer.logger.init_args.save_dir", str(out), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"torchrun exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
+def test_a_killed_worker_restarts_from_the_last_checkpoint(shakespeare_gpt2, tmp_path) -> None:
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    _torchrun(shakespeare_gpt2, clean)
+    kill = '{"class_path": "tests.e2e._faults.KillOnce", "init_args": {"step": 5, "rank": 1}}'
+    proc = _torchrun(shakespeare_gpt2, killed, f"--trainer.callbacks+={kill}")
+    assert "resuming from" in proc.stdout + proc.stderr  # the restart found step 4 by itself
+    checkpoints = "gpt2_debug_shakespeare_cpu/checkpoints/last.ckpt"
+    expected, got = read_weights(clean / checkpoints), read_weights(killed / checkpoints)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
