@@ -88,6 +88,8 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         # The optimizer is training setup, not part of the model, and a callable would stop
         # `load_from_checkpoint` from reading the checkpoint with `weights_only=True`.
         self.save_hyperparameters(ignore=["optimizer"])
+        if isinstance(config, dict):  # saved as its fields (PortableCheckpoints)
+            config = TransformerConfig.from_dict(config)
         self.config = TransformerConfig.from_name(config) if isinstance(config, str) else config
         self.optimizer = optimizer
         self.weight_decay = weight_decay
