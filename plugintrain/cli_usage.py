@@ -112,12 +112,22 @@ def user_message(error: BaseException, options: Sequence[str] = ()) -> str | Non
     root = chain[-1]
     if not (isinstance(root, _USER_ERRORS) or _raised_in_jsonargparse(root)):
         return None
+    # A union's last alternative (``str`` for a strategy) fails last; the error a class
+    # raised for the user's values is the one that names them.
     message = _text(root)
     key = next((m.group(1) for e in chain if (m := _PARSER_KEY.search(_text(e)))), None)
     if key == "trainer.precision" and (value := _GOT_VALUE.search(message)):
         return unknown_name(
             "precision", value.group(1), PRECISION_PLUGINS, lightning_precision_names()
         )
+    if message.startswith("Expected a <class"):
+        # A union's `str` alternative failed last; the other alternative's error (what the
+        # class raised for the user's values) is listed in an outer union error.
+        for e in chain:
+            items = [line[4:] for line in str(e).splitlines() if line.startswith("  - ")]
+            named = [item for item in items if not item.startswith("Expected a <class")]
+            if named:
+                return named[0].strip()
     if unrecognized := _UNRECOGNIZED.search(message):
         return _unknown_option(unrecognized.group(1).split("=")[0], options)
     if message.startswith("the following arguments are required"):
