@@ -224,6 +224,15 @@ def read_dcp_metadata(directory: Path) -> Any:
     return metadata
 
 
+def shape_mismatch(where: Any, name: str, saved: Any, model: Any) -> ValueError:
+    """The one-line error for a weight whose saved shape differs from the model's."""
+    return ValueError(
+        f"{where}: {name} has shape {tuple(saved)} in the checkpoint and {tuple(model)} in the"
+        " model; build the model with the options the checkpoint was trained with (its"
+        " hyper_parameters)."
+    )
+
+
 def check_shard_files(directory: Path, storage_data: dict[Any, Any]) -> None:
     """Every shard file the metadata names exists and is long enough for what it holds.
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from plugintrain.checkpoint_files import OPTIMIZER_NAMES_KEY, SOURCE_KEY
+from plugintrain.checkpoint_files import OPTIMIZER_NAMES_KEY, SOURCE_KEY, shape_mismatch
 
 
 def group_names(module: nn.Module, optimizer: Optimizer) -> list[list[str]]:
@@ -68,11 +68,7 @@ def check_weight_shapes(checkpoint: dict[str, Any], model_state: dict[str, Any])
     for name, saved in (checkpoint.get("state_dict") or {}).items():
         tensor = model_state.get(name)
         if tensor is not None and tuple(saved.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"{where}: {name} has shape {tuple(saved.shape)} in the checkpoint and"
-                f" {tuple(tensor.shape)} in the model; build the model with the options the"
-                " checkpoint was trained with (its hyper_parameters)."
-            )
+            raise shape_mismatch(where, name, saved.shape, tensor.shape)
 
 
 class PortableCheckpoints:

@@ -87,9 +87,11 @@ from plugintrain.checkpoint_files import (
     load_torch_file,
     publish,
     read_dcp_metadata,
+    shape_mismatch,
     sibling,
     write_file_atomically,
 )
+from plugintrain.portable_checkpoints import plain_hyperparameters
 from plugintrain.strategies.grad_engine import GradientEngine, is_elementwise
 from plugintrain.strategies.single_file_reader import SingleFileReader
 from plugintrain.strategies.tied import TiedParameters
@@ -282,9 +284,7 @@ HPARAMS_FILENAME = "hyper_parameters.json"
 def _plain_values(hparams: Any) -> dict[str, Any]:
     """The hyperparameters JSON can hold (a dataclass as its fields); others are left out."""
     plain = {}
-    for key, value in dict(hparams).items():
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            value = dataclasses.asdict(value)
+    for key, value in plain_hyperparameters(hparams).items():
         try:
             json.dumps(value)
         except (TypeError, ValueError):
@@ -519,11 +519,7 @@ def check_shapes(reader: Any, model_state: dict[str, Any]) -> None:
                 " model? Pass the model options it was trained with (its hyper_parameters)."
             )
         if tuple(meta.size) != tuple(tensor.shape):
-            raise ValueError(
-                f"{where}: {name} has shape {tuple(meta.size)} in the checkpoint and"
-                f" {tuple(tensor.shape)} in the model; build the model with the options the"
-                " checkpoint was trained with (its hyper_parameters)."
-            )
+            raise shape_mismatch(where, name, meta.size, tensor.shape)
 
 
 @dataclasses.dataclass
