@@ -99,6 +99,10 @@ class TransformerConfig:
     """Dropout probability on embeddings, attention weights and residual branches."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialization."""
+    tokenizer: str | None = None
+    """The tokenizer whose ids the model reads: ``gpt2``, ``llama3``, a pretrained name
+    (``smollm2-135m``) or the path of a ``tokenizer.json``, Hugging Face directory or GGUF
+    file; None means the family's (``gpt2`` for GPT-2, ``llama3`` for Llama 3)."""
 
     def __post_init__(self) -> None:
         self._check_positive()

@@ -1,7 +1,18 @@
 """GPT-2 (Radford et al. 2019): presets, Hugging Face weight adapter, tensor-parallel plan."""
 
+from typing import Any
+
 import torch
 
+from plugintrain.model_zoo.adapters import (
+    Plan,
+    apply_plan,
+    chunk_of,
+    concatenated,
+    renamed,
+    same,
+    transposed,
+)
 from plugintrain.model_zoo.config import TransformerConfig, register_preset
 
 
@@ -36,55 +47,118 @@ _gpt2("gpt2-debug", n_layer=4, n_head=4, n_embd=128, block_size=256)
 def from_hf_state_dict(
     state_dict: dict[str, torch.Tensor], config: TransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict to ours.
-
-    Hugging Face stores GPT-2's Linear layers as ``Conv1D`` with transposed weights
-    ``(in, out)``, and fuses the query, key and value projections into ``c_attn``.
-
-    Args:
-        state_dict: Hugging Face weights.
-        config: Our matching architecture.
-
-    Returns:
-        A state dict for :class:`~plugintrain.model_zoo.transformer.Transformer`.
-    """
-    sd = {key.removeprefix("transformer."): value for key, value in state_dict.items()}
-    out = {
-        "tok_embeddings.weight": sd["wte.weight"],
-        "pos_embeddings.weight": sd["wpe.weight"],
-        "norm.weight": sd["ln_f.weight"],
-        "norm.bias": sd["ln_f.bias"],
-        # Absent from checkpoints that tie it to wte.
-        "output.weight": sd.get("lm_head.weight", sd["wte.weight"]),
-    }
-    for i in range(config.n_layer):
-        out.update(_block_from_hf(sd, f"h.{i}.", f"layers.{i}."))
-    return out
+    """Map a whole Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict to ours
+    (:func:`hf_import_plan` applied to every tensor)."""
+    sd = {hf_key(key): value for key, value in state_dict.items()}
+    return apply_plan(hf_import_plan(config), sd)
 
 
-# Our module -> Hugging Face module, inside one block.
+def hf_key(key: str) -> str:
+    """A ``GPT2Model`` key (no ``transformer.`` prefix) as ``GPT2LMHeadModel`` names it."""
+    return key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
+
+
+# Our module -> Hugging Face module, inside one block (``Conv1D`` weights are transposed).
 _NORMS = {"attention_norm": "ln_1", "ffn_norm": "ln_2"}
 _CONV1DS = {
     "attention.wo": "attn.c_proj",
     "feed_forward.w1": "mlp.c_fc",
     "feed_forward.w2": "mlp.c_proj",
 }
+_QKV = ("wq", "wk", "wv")
 
 
-def _block_from_hf(sd: dict[str, torch.Tensor], hf: str, ours: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for new, old in _NORMS.items():
-        out[f"{ours}{new}.weight"] = sd[f"{hf}{old}.weight"]
-        out[f"{ours}{new}.bias"] = sd[f"{hf}{old}.bias"]
-    for new, old in _CONV1DS.items():
-        out[f"{ours}{new}.weight"] = sd[f"{hf}{old}.weight"].t()  # (in, out) -> (out, in)
-        out[f"{ours}{new}.bias"] = sd[f"{hf}{old}.bias"]
-    weights = sd[f"{hf}attn.c_attn.weight"].t().chunk(3, dim=0)  # 3 x (C, C)
-    biases = sd[f"{hf}attn.c_attn.bias"].chunk(3)  # 3 x (C,)
-    for name, weight, bias in zip(("wq", "wk", "wv"), weights, biases, strict=True):
-        out[f"{ours}attention.{name}.weight"] = weight
-        out[f"{ours}attention.{name}.bias"] = bias
-    return out
+def hf_import_plan(config: TransformerConfig) -> Plan:
+    """Our tensors from a Hugging Face ``GPT2LMHeadModel``'s (names as its state dict has
+    them). Hugging Face stores the Linear layers as ``Conv1D`` with transposed weights
+    ``(in, out)`` and fuses the query, key and value projections into ``c_attn``."""
+    hf = "transformer."
+    plan = renamed(
+        {
+            "tok_embeddings.weight": f"{hf}wte.weight",
+            "pos_embeddings.weight": f"{hf}wpe.weight",
+            "norm.weight": f"{hf}ln_f.weight",
+            "norm.bias": f"{hf}ln_f.bias",
+            "output.weight": f"{hf}wte.weight" if config.tie_embeddings else "lm_head.weight",
+        }
+    )
+    for i in range(config.n_layer):
+        ours, theirs = f"layers.{i}.", f"{hf}h.{i}."
+        for new, old in _NORMS.items():
+            for kind in ("weight", "bias"):
+                plan[f"{ours}{new}.{kind}"] = same(f"{theirs}{old}.{kind}")
+        for new, old in _CONV1DS.items():
+            plan[f"{ours}{new}.weight"] = transposed(f"{theirs}{old}.weight")
+            plan[f"{ours}{new}.bias"] = same(f"{theirs}{old}.bias")
+        for j, name in enumerate(_QKV):  # c_attn: (C, 3C) = [q | k | v] columns
+            qkv = f"{theirs}attn.c_attn."
+            plan[f"{ours}attention.{name}.weight"] = chunk_of(f"{qkv}weight", j, 3, transpose=True)
+            plan[f"{ours}attention.{name}.bias"] = chunk_of(f"{qkv}bias", j, 3)
+    return plan
+
+
+def hf_export_plan(config: TransformerConfig) -> Plan:
+    """Hugging Face ``GPT2LMHeadModel`` tensors from ours; the inverse of
+    :func:`hf_import_plan` (a tied head is left out, as ``save_pretrained`` does)."""
+    hf = "transformer."
+    plan = renamed(
+        {
+            f"{hf}wte.weight": "tok_embeddings.weight",
+            f"{hf}wpe.weight": "pos_embeddings.weight",
+            f"{hf}ln_f.weight": "norm.weight",
+            f"{hf}ln_f.bias": "norm.bias",
+        }
+    )
+    if not config.tie_embeddings:
+        plan["lm_head.weight"] = same("output.weight")
+    for i in range(config.n_layer):
+        ours, theirs = f"layers.{i}.", f"{hf}h.{i}."
+        for new, old in _NORMS.items():
+            for kind in ("weight", "bias"):
+                plan[f"{theirs}{old}.{kind}"] = same(f"{ours}{new}.{kind}")
+        for new, old in _CONV1DS.items():
+            plan[f"{theirs}{old}.weight"] = transposed(f"{ours}{new}.weight")
+            plan[f"{theirs}{old}.bias"] = same(f"{ours}{new}.bias")
+        for kind in ("weight", "bias"):
+            sources = [f"{ours}attention.{name}.{kind}" for name in _QKV]
+            plan[f"{theirs}attn.c_attn.{kind}"] = concatenated(sources, transpose=kind == "weight")
+    return plan
+
+
+def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
+    """Our config for a Hugging Face ``GPT2Config`` (as its ``config.json`` holds it)."""
+    return TransformerConfig(
+        name=name,
+        family="gpt2",
+        vocab_size=hf["vocab_size"],
+        block_size=hf.get("n_positions", 1024),
+        n_layer=hf["n_layer"],
+        n_head=hf["n_head"],
+        n_embd=hf["n_embd"],
+        intermediate_size=hf.get("n_inner"),
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+    )
+
+
+def to_hf_config(config: TransformerConfig) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face ``GPT2LMHeadModel`` with ``config``'s shape."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": config.ffn_dim,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "bos_token_id": config.vocab_size - 1,
+        "eos_token_id": config.vocab_size - 1,
+    }
 
 
 def tp_plan() -> dict[str, str]:

@@ -1,10 +1,12 @@
 """Llama 3 (Grattafiori et al. 2024): presets, Hugging Face weight adapter, tensor-parallel plan."""
 
-import re
+import dataclasses
+from typing import Any
 
 import torch
 
 from plugintrain.model_zoo import gpt2
+from plugintrain.model_zoo.adapters import Plan, apply_plan, renamed
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig, register_preset
 
 # Llama 3.2 extends the 8k pretraining context to 128k with a 32x frequency scaling.
@@ -77,54 +79,141 @@ _llama3(
     ),
 )
 
-# Hugging Face name pattern -> ours; `\1` is the layer index.
-_HF_NAMES = {
-    r"model\.embed_tokens\.": "tok_embeddings.",
-    r"model\.layers\.(\d+)\.input_layernorm\.": r"layers.\1.attention_norm.",
-    r"model\.layers\.(\d+)\.self_attn\.q_proj\.": r"layers.\1.attention.wq.",
-    r"model\.layers\.(\d+)\.self_attn\.k_proj\.": r"layers.\1.attention.wk.",
-    r"model\.layers\.(\d+)\.self_attn\.v_proj\.": r"layers.\1.attention.wv.",
-    r"model\.layers\.(\d+)\.self_attn\.o_proj\.": r"layers.\1.attention.wo.",
-    r"model\.layers\.(\d+)\.post_attention_layernorm\.": r"layers.\1.ffn_norm.",
-    r"model\.layers\.(\d+)\.mlp\.gate_proj\.": r"layers.\1.feed_forward.w1.",
-    r"model\.layers\.(\d+)\.mlp\.up_proj\.": r"layers.\1.feed_forward.w3.",
-    r"model\.layers\.(\d+)\.mlp\.down_proj\.": r"layers.\1.feed_forward.w2.",
-    r"model\.norm\.": "norm.",
-    r"lm_head\.": "output.",
+# Our name -> Hugging Face ``LlamaForCausalLM``'s, inside block ``{i}``.
+_BLOCK = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
 }
+
+
+def hf_names(config: TransformerConfig) -> dict[str, str]:
+    """Our tensor name -> Hugging Face ``LlamaForCausalLM``'s. Both use the rotate-half
+    RoPE layout, so no weight is permuted; a tied head maps to the embedding."""
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "output.weight": "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight",
+    }
+    for i in range(config.n_layer):
+        for ours, theirs in _BLOCK.items():
+            names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+    return names
+
+
+def hf_import_plan(config: TransformerConfig) -> Plan:
+    """Our tensors from a Hugging Face ``LlamaForCausalLM``'s."""
+    return renamed(hf_names(config))
+
+
+def hf_export_plan(config: TransformerConfig) -> Plan:
+    """Hugging Face ``LlamaForCausalLM`` tensors from ours (a tied head left out)."""
+    names = hf_names(config)
+    if config.tie_embeddings:
+        del names["output.weight"]
+    return renamed({theirs: ours for ours, theirs in names.items()})
 
 
 def from_hf_state_dict(
     state_dict: dict[str, torch.Tensor], config: TransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face ``LlamaForCausalLM`` state dict to ours.
+    """Map a whole Hugging Face ``LlamaForCausalLM`` state dict to ours
+    (:func:`hf_import_plan` applied to every tensor)."""
+    return apply_plan(hf_import_plan(config), state_dict)
 
-    Both use the rotate-half RoPE layout, so the query and key weights need no permutation.
 
-    Args:
-        state_dict: Hugging Face weights.
-        config: Our matching architecture.
-
-    Returns:
-        A state dict for :class:`~plugintrain.model_zoo.transformer.Transformer`.
+def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
+    """Our config for a Hugging Face ``LlamaConfig`` (as its ``config.json`` holds it).
 
     Raises:
-        ValueError: On a key this adapter does not know.
+        ValueError: For a Llama variant our model does not build (biases, a head size other
+            than ``hidden_size / num_attention_heads``, a RoPE type other than Llama 3's).
     """
-    # Old checkpoints also store the RoPE frequencies, which we derive from the config.
-    weights = {k: v for k, v in state_dict.items() if not k.endswith("rotary_emb.inv_freq")}
-    out = {_rename(key): value for key, value in weights.items()}
-    if config.tie_embeddings:  # tied checkpoints may omit lm_head
-        out["output.weight"] = out["tok_embeddings.weight"]
-    return out
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    unsupported = {
+        "attention_bias": hf.get("attention_bias", False),
+        "mlp_bias": hf.get("mlp_bias", False),
+        "head_dim": head_dim if head_dim * hf["num_attention_heads"] != hf["hidden_size"] else None,
+        "hidden_act": hf.get("hidden_act", "silu")
+        if hf.get("hidden_act", "silu") != "silu"
+        else None,
+    }
+    bad = {key: value for key, value in unsupported.items() if value}
+    if bad:
+        raise ValueError(f"{name}: plugintrain's Llama does not build {bad}.")
+    theta, scaling = _hf_rope(hf, name)
+    return TransformerConfig(
+        name=name,
+        family="llama3",
+        vocab_size=hf["vocab_size"],
+        block_size=hf.get("max_position_embeddings", 2048),
+        n_layer=hf["num_hidden_layers"],
+        n_head=hf["num_attention_heads"],
+        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        n_embd=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        bias=False,
+        norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        mlp="swiglu",
+        position="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+    )
 
 
-def _rename(hf_key: str) -> str:
-    for pattern, ours in _HF_NAMES.items():
-        key, n = re.subn(f"^{pattern}", ours, hf_key)
-        if n:
-            return key
-    raise ValueError(f"Unexpected key {hf_key!r} in a Hugging Face Llama state dict.")
+def _hf_rope(hf: dict[str, Any], name: str) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling from ``rope_parameters`` (transformers 5) or the older
+    ``rope_theta`` and ``rope_scaling`` keys."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(
+            f"{name}: RoPE type {kind!r} is not supported; plugintrain builds 'default' and"
+            " 'llama3' RoPE."
+        )
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    return theta, RopeScaling(**{key: params[key] for key in fields})
+
+
+def to_hf_config(config: TransformerConfig) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` with ``config``'s shape."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.block_size,
+        "rms_norm_eps": config.norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": config.tie_embeddings,
+        # transformers 5 reads `rope_parameters`; earlier versions and vLLM read the rest.
+        "rope_parameters": rope,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None
+        if config.rope_scaling is None
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
+    }
 
 
 def tp_plan() -> dict[str, str]:

@@ -1,5 +1,6 @@
 """CausalLM: next-token training, evaluation and generation for any TransformerConfig."""
 
+import dataclasses
 import functools
 import math
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
 from torchmetrics import Metric
 
+from plugintrain.data.token_bytes import TokenBytesSource
 from plugintrain.model_zoo import gpt2, llama3
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.transformer import Transformer
@@ -44,6 +46,55 @@ class Perplexity(Metric):
         return torch.exp(self.nll_sum / self.count)
 
 
+class BitsPerByte(Metric):
+    """Bits per UTF-8 byte of text: total NLL (nats) / (ln 2 x total bytes of the targets).
+
+    Unlike loss per token it does not depend on the tokenizer, so models with different
+    vocabularies compare on it. Every target's NLL counts, also a special token's, which
+    spells no bytes. Synced across ranks by summing NLL and byte counts.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state(
+            "nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state("byte_sum", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def update(self, loss: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor) -> None:
+        """Add a batch whose mean token NLL is ``loss`` over ``targets`` (ids, any shape);
+        ``token_bytes[i]`` is the number of bytes id ``i`` spells."""
+        self.nll_sum += loss.detach().double() * targets.numel()
+        self.byte_sum += token_bytes[targets].sum()
+
+    def compute(self) -> torch.Tensor:
+        """``total NLL / (ln 2 x total bytes)``."""
+        return self.nll_sum / (math.log(2) * self.byte_sum)
+
+
+class EvalMetrics(torch.nn.Module):
+    """The metrics of one evaluation stage, updated from each batch's mean loss: perplexity,
+    and bits per byte once ``token_bytes`` (UTF-8 bytes per token id) is known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ppl = Perplexity()
+        self.bpb = BitsPerByte()
+        self.token_bytes: torch.Tensor | None = None
+
+    def update(self, loss: torch.Tensor, targets: torch.Tensor) -> dict[str, Metric]:
+        """Add a batch of mean loss ``loss`` over ``targets``; returns the metrics to log."""
+        self.ppl.update(loss, targets.numel())
+        if self.token_bytes is None:
+            return {"ppl": self.ppl}
+        self.token_bytes = self.token_bytes.to(targets.device)  # copied once, then a no-op
+        self.bpb.update(loss, targets, self.token_bytes)
+        return {"ppl": self.ppl, "bpb": self.bpb}
+
+
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
     """Learning-rate multiplier: linear warmup, then cosine decay to ``min_lr_ratio``.
 
@@ -64,7 +115,9 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
     meta device and shard it before allocating the weights.
 
     Args:
-        config: A preset name (see ``TransformerConfig.presets()``) or a full config.
+        config: A preset name (see ``TransformerConfig.presets()``) or a full config; None
+            means the architecture the ``weights`` file describes (``gpt2-debug`` without
+            one).
         optimizer: Builds the optimizer from parameter groups, e.g. ``torch.optim.AdamW``
             with its learning rate; injected as a callable because the model's parameters
             only exist after ``configure_model``.
@@ -73,24 +126,31 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         lr_decay_steps: Step at which the cosine decay reaches its floor; None means the
             trainer's estimated total number of steps.
         min_lr_ratio: Final learning rate as a fraction of the peak.
+        weights: Pretrained weights to start from: a Hugging Face model directory, an
+            llm.c ``.bin``, a ``.gguf`` file, a plugintrain checkpoint, or a pretrained name
+            (``smollm2-135m``). They are loaded into whatever layout the strategy builds
+            (each rank reads one tensor at a time and keeps its own part); a checkpoint
+            resumed with ``--ckpt_path`` replaces them.
     """
 
     def __init__(
         self,
-        config: str | TransformerConfig = "gpt2-debug",
+        config: str | TransformerConfig | None = None,
         optimizer: OptimizerCallable = torch.optim.AdamW,
         weight_decay: float = 0.1,
         warmup_steps: int = 100,
         lr_decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        weights: str | None = None,
     ) -> None:
         super().__init__()
         # The optimizer is training setup, not part of the model, and a callable would stop
         # `load_from_checkpoint` from reading the checkpoint with `weights_only=True`.
         self.save_hyperparameters(ignore=["optimizer"])
-        if isinstance(config, dict):  # saved as its fields (PortableCheckpoints)
-            config = TransformerConfig.from_dict(config)
-        self.config = TransformerConfig.from_name(config) if isinstance(config, str) else config
+        self.weights = weights
+        self.config = _resolve_config(config, weights)
+        if config is None and weights is not None:  # checkpoints rebuild it without the file
+            self.hparams["config"] = self.config
         self.optimizer = optimizer
         self.weight_decay = weight_decay
         self.warmup_steps = warmup_steps
@@ -100,8 +160,7 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         # Training FLOPs of the latest batch on this device, for Lightning's ThroughputMonitor
         # (MFU); set by training_step.
         self.flops_per_batch = 0
-        self.val_ppl = Perplexity()
-        self.test_ppl = Perplexity()
+        self.eval_metrics = torch.nn.ModuleDict({"val": EvalMetrics(), "test": EvalMetrics()})
 
     @property
     def vocab_size(self) -> int:
@@ -117,7 +176,24 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         """Build the transformer, once (Lightning may call this hook more than once)."""
         if self.model is not None:
             return
-        self.model = Transformer(self.config)
+        if self.weights is None:
+            self.model = Transformer(self.config)
+            return
+        # Pretrained weights: build on meta and allocate without drawing random ones. Under
+        # a strategy's meta-device context the strategy allocates, then calls init_weights.
+        device = torch.empty(()).device
+        with torch.device("meta"):
+            self.model = Transformer(self.config)
+        if device.type != "meta":
+            self.model.to_empty(device=device)
+            self.model.init_buffers()
+            self._load_weights()
+
+    def _load_weights(self) -> None:
+        """Copy the pretrained ``weights`` into the parts of the model this rank holds."""
+        from plugintrain.formats import load_into, open_weights
+
+        load_into(self.model, open_weights(self.weights))
 
     @property
     def init_seed(self) -> int:
@@ -133,7 +209,11 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
     def init_weights(self) -> None:
         """Initialize the weights this rank holds (see :meth:`Transformer.init_weights`)."""
         assert self.model is not None
-        self.model.init_weights()
+        if self.weights is None:
+            self.model.init_weights()
+            return
+        self.model.init_buffers()
+        self._load_weights()
 
     def tp_plan(self) -> dict[str, str]:
         """The family's tensor-parallel plan, keyed by paths under this module (``model.*``)."""
@@ -158,19 +238,19 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        """Logs ``val_loss`` and ``val_ppl``."""
+        """Logs ``val_loss``, ``val_ppl`` and, given the bytes per token, ``val_bpb``."""
         x, y = batch
         self.record_loss("val", self.loss_fn(self(x), y), batch)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        """Logs ``test_loss`` and ``test_ppl``."""
+        """Logs ``test_loss``, ``test_ppl`` and, given the bytes per token, ``test_bpb``."""
         x, y = batch
         self.record_loss("test", self.loss_fn(self(x), y), batch)
 
     def record_loss(
         self, stage: str, loss: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
-        """Log the mean loss of ``batch`` (and FLOPs or perplexity) for ``stage``.
+        """Log the mean loss of ``batch`` for ``stage``, and FLOPs or the `EvalMetrics`.
 
         Split from the steps so a strategy that runs forward and backward itself (the
         pipeline schedules) logs the loss it computed exactly as the steps do.
@@ -185,10 +265,14 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
             self.flops_per_batch = self.config.flops_per_token(x.size(1)) * x.numel()
             self.log("train_loss", loss, prog_bar=True)
             return
-        ppl = self.val_ppl if stage == "val" else self.test_ppl
-        ppl.update(loss, y.numel())
         self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
-        self.log(f"{stage}_ppl", ppl)
+        for name, metric in self.eval_metrics[stage].update(loss, y).items():
+            self.log(f"{stage}_{name}", metric)
+
+    def setup(self, stage: str) -> None:
+        """Bits per byte take the bytes per token id of a datamodule that knows them."""
+        for metrics in self.eval_metrics.values():
+            metrics.token_bytes = _token_bytes_of(self.trainer.datamodule)
 
     def configure_optimizers(self) -> dict:
         """The injected optimizer over decay/no-decay groups, with a per-step LR schedule."""
@@ -294,6 +378,32 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         start = 0 if step == 0 else idx.size(1) - 1
         input_pos = torch.arange(start, idx.size(1), device=idx.device)
         return self.model(idx[:, start:], input_pos)[:, -1]
+
+
+def _resolve_config(
+    config: str | dict | TransformerConfig | None, weights: str | None
+) -> TransformerConfig:
+    """The architecture: ``config`` (a preset name, fields or a config), else the one the
+    ``weights`` file describes, with the tokenizer that came with it."""
+    if isinstance(config, dict):  # saved as its fields (PortableCheckpoints)
+        return TransformerConfig.from_dict(config)
+    if isinstance(config, str):
+        return TransformerConfig.from_name(config)
+    if config is not None:
+        return config
+    if weights is None:
+        return TransformerConfig.from_name("gpt2-debug")
+    from plugintrain.data.assets import PRETRAINED_MODELS
+    from plugintrain.formats import open_weights
+
+    found = open_weights(weights)
+    tokenizer = weights if weights in PRETRAINED_MODELS else found.tokenizer
+    return dataclasses.replace(found.config, tokenizer=tokenizer)
+
+
+def _token_bytes_of(datamodule: L.LightningDataModule | None) -> torch.Tensor | None:
+    """The UTF-8 bytes per token id of a datamodule that knows them, else None."""
+    return datamodule.token_bytes if isinstance(datamodule, TokenBytesSource) else None
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:

@@ -105,7 +105,7 @@ class Transformer(nn.Module):
         or a tensor-parallel / FSDP2 shard initialized on its own holds exactly its part
         of the one-process weights.
         """
-        self._tie_embeddings()  # to_empty() replaces each parameter on its own, untying them
+        self.init_buffers()
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layer)
         canonical = {b: a for a, b in self.tied_parameters()}
@@ -119,6 +119,12 @@ class Transformer(nn.Module):
                     is_residual = module_name.endswith((".wo", ".w2"))
                     key = canonical.get(name, name)
                     seeded_normal_(param, residual_std if is_residual else std, self.init_seed, key)
+
+    def init_buffers(self) -> None:
+        """Re-tie the head (``to_empty()`` replaces each parameter on its own, untying them)
+        and rebuild the RoPE tables on their device: what :meth:`init_weights` does besides
+        drawing weights, for weights that are loaded instead."""
+        self._tie_embeddings()
         if self.rope_cos is not None:
             self.rope_cos, self.rope_sin = rope_cache(self.config, device=self.rope_cos.device)
 

@@ -105,8 +105,10 @@ def _model_attribute(name: str) -> Callable[[Any], Any]:
 
 
 def _model_tokenizer(model: Any) -> str | None:
-    """The tokenizer whose ids the built model reads (its family's); None if unknown."""
-    return family_tokenizer(getattr(getattr(model, "config", None), "family", None))
+    """The tokenizer whose ids the built model reads: its config's ``tokenizer`` (one that
+    came with pretrained weights), else its family's; None if unknown."""
+    config = getattr(model, "config", None)
+    return getattr(config, "tokenizer", None) or family_tokenizer(getattr(config, "family", None))
 
 
 def _document_names(parser: LightningArgumentParser) -> None:

@@ -163,7 +163,11 @@ def materialize(module: nn.Module, device: torch.device) -> None:
         dist.broadcast_object_list(seed, src=0)
         module.init_seed = seed[0]
     shared = shared_parameters(module)
-    module.to_empty(device=device)  # replaces each parameter: re-tie the shared ones
+    # `to_empty`, but only for what is on meta: `to_empty` itself would also replace the
+    # real states of the module's metrics (torchmetrics applies it to them, defaults and
+    # all) with uninitialized memory. Through `_apply`, as `to_empty` goes, so that FSDP2
+    # modules still re-register their shards. Replaces each parameter: re-tie the shared.
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     retie(shared)
     module.init_weights()
 

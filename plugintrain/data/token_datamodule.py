@@ -16,6 +16,8 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from plugintrain.data.token_bin import read_token_bin
+from plugintrain.data.token_bytes import read_token_bytes
+from plugintrain.data.tokenizers import tokenizer_short_name, tokenizer_spec
 
 # Lightning warns on every mid-epoch resume unless the DataLoader itself is stateful; this
 # datamodule restores the position through its sampler instead, so the warning is wrong here.
@@ -120,7 +122,9 @@ class TokenDataModule(LightningDataModule):
     Batches are split by data-parallel rank only, taken from the strategy's
     ``distributed_sampler_kwargs``, so tensor-parallel peers receive identical batches.
     Checkpoints record how far into the epoch training got, and a resumed ``fit`` continues
-    with exactly the batches the uninterrupted run would have seen next.
+    with exactly the batches the uninterrupted run would have seen next. A
+    :class:`~plugintrain.data.TokenBytesSource`: with the ``token_bytes.npy`` that
+    ``plugintrain prepare`` writes, models log validation bits per byte.
 
     Args:
         data_dir: Directory with the token files written by ``plugintrain prepare``.
@@ -128,8 +132,9 @@ class TokenDataModule(LightningDataModule):
         batch_size: Sequences per batch on each data-parallel rank (B).
         vocab_size: The model's vocabulary size; a token id at or above it is an error.
         max_seq_len: The model's maximum sequence length; ``seq_len`` may not exceed it.
-        tokenizer: The tokenizer whose ids the model reads (``gpt2`` or ``llama3``); token
-            files whose ``meta.json`` records another one are refused.
+        tokenizer: The tokenizer whose ids the model reads (a spec of `get_tokenizer`:
+            ``gpt2``, ``llama3``, a pretrained name or a path); token files whose
+            ``meta.json`` records another one are refused.
         seed: Shuffling seed; epoch ``e`` is shuffled with ``seed + e``.
         shuffle: Shuffle training windows each epoch (validation is never shuffled).
         num_workers: DataLoader worker processes.
@@ -170,16 +175,26 @@ class TokenDataModule(LightningDataModule):
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
         self._train_sampler: ResumableSampler | None = None
+        self._token_bytes: torch.Tensor | None = None
         # (epoch, group position, Lightning's processed count when the epoch resumed)
         self._resume: tuple[int, int, int | None] = (-1, 0, 0)
         self._check_prepared()
 
     def setup(self, stage: str) -> None:
-        """Open and check the token files needed by ``stage``."""
+        """Open and check the token files needed by ``stage``, and the bytes per token."""
         if stage in ("fit", "validate") and self.val_set is None:
             self.val_set = self._open(self.val_file)
         if stage == "fit" and self.train_set is None:
             self.train_set = self._open(self.train_file)
+        if self._token_bytes is None:
+            counts = read_token_bytes(self.data_dir)
+            self._token_bytes = None if counts is None else torch.from_numpy(counts)
+
+    @property
+    def token_bytes(self) -> torch.Tensor | None:
+        """UTF-8 bytes of text per token id from ``token_bytes.npy`` (after ``setup``);
+        None for token files prepared without it."""
+        return self._token_bytes
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled, rank-sharded training batches; full batches only."""
@@ -246,7 +261,7 @@ class TokenDataModule(LightningDataModule):
         """
         meta = _read_meta(self.data_dir)
         recorded = meta.get("tokenizer")
-        if self.tokenizer is not None and recorded not in (None, self.tokenizer):
+        if self.tokenizer is not None and _written_by_another(recorded, self.tokenizer):
             raise ValueError(_other_tokenizer(self.data_dir, recorded, self.tokenizer))
         if self.vocab_size is not None and meta.get("vocab_size", 0) > self.vocab_size:
             raise ValueError(
@@ -316,6 +331,12 @@ def _read_meta(data_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def _written_by_another(recorded: str | None, wanted: str) -> bool:
+    """Whether token files whose ``meta.json`` records ``recorded`` hold other ids than
+    ``wanted``'s (specs compared in canonical form; files that record none pass)."""
+    return recorded is not None and tokenizer_spec(recorded) != tokenizer_spec(wanted)
+
+
 def _prepare_command(out: Path, tokenizer: str, overwrite: bool) -> str:
     """The ``plugintrain prepare`` command that writes ``tokenizer``'s token files to ``out``."""
     args = ["plugintrain", "prepare", "shakespeare", "--tokenizer", tokenizer, "--out", str(out)]
@@ -325,8 +346,8 @@ def _prepare_command(out: Path, tokenizer: str, overwrite: bool) -> str:
 def _other_tokenizer(data_dir: Path, recorded: str, wanted: str) -> str:
     """Why ``data_dir`` (``recorded``'s tokens) cannot feed a model that reads ``wanted``'s,
     and the command that prepares the right files beside it."""
-    out = data_dir.parent / f"shakespeare_{wanted}"
-    overwrite = _read_meta(out).get("tokenizer") not in (None, wanted)
+    out = data_dir.parent / f"shakespeare_{tokenizer_short_name(wanted)}"
+    overwrite = _written_by_another(_read_meta(out).get("tokenizer"), wanted)
     return (
         f"{data_dir} holds {recorded} tokens (its meta.json) but the model reads {wanted}"
         f" tokens; prepare them with `{_prepare_command(out, wanted, overwrite)}` and pass"

@@ -1,27 +1,20 @@
-"""GPT-2 and Llama 3 tokenizers built offline with tiktoken from fetched rank files."""
+"""Tokenizers by spec: GPT-2 and Llama 3 built offline with tiktoken from fetched rank
+files, and the tokenizers that come with pretrained weights (see `hf_tokenizer`)."""
 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from plugintrain.data.assets import ASSETS, fetch_asset
-
-# tiktoken's r50k/gpt2 split pattern (tiktoken_ext.openai_public.r50k_pat_str): the
-# original GPT-2 regex with possessive quantifiers, which tokenizes identically but faster.
-GPT2_PATTERN = (
-    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-)
-
-# Meta's Llama 3 split pattern (llama_models/llama3/tokenizer.py).
-LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+from plugintrain.data.assets import ASSETS, PRETRAINED_MODELS, fetch_asset, resolve_model_path
+from plugintrain.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+from plugintrain.data.split_patterns import GPT2_PATTERN, LLAMA3_PATTERN
 
 # The named specials at the start of Llama 3's 256 special ids, in the order of the
 # llama-models 0.3.0 wheel (the Llama 3.1+ layout); the rest are reserved tokens.
@@ -87,6 +80,19 @@ class Tokenizer:
         """Text of token ids; invalid UTF-8 byte sequences become U+FFFD."""
         return self.encoding.decode(list(ids))
 
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for, int32 ``(vocab_size,)``; 0 for specials.
+
+        Read from each token's bytes, never by decoding: a token holding part of a
+        multi-byte character would decode to the 3-byte U+FFFD.
+        """
+        special = set(self.special_tokens.values())
+        counts = [
+            0 if i in special else len(self.encoding.decode_single_token_bytes(i))
+            for i in range(self.vocab_size)
+        ]
+        return np.array(counts, dtype=np.int32)
+
     def __repr__(self) -> str:
         return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size})"
 
@@ -132,17 +138,50 @@ def family_tokenizer(family: str | None) -> str | None:
     return family if family in _BUILDERS else None
 
 
+def _is_name(spec: str) -> bool:
+    """Whether ``spec`` names a tokenizer (built in, or a pretrained model's), not a path."""
+    return spec in _BUILDERS or spec in PRETRAINED_MODELS
+
+
+def tokenizer_spec(spec: str | Path) -> str:
+    """The canonical form of a tokenizer spec, as ``meta.json`` records it: a name as is,
+    a path made absolute (so the same file matches from any working directory)."""
+    spec = str(spec)
+    return spec if _is_name(spec) else str(Path(spec).expanduser().resolve())
+
+
+def tokenizer_short_name(spec: str | Path) -> str:
+    """A filesystem-safe short name: the spec of a name, else the file or directory name
+    without suffix (a ``tokenizer.json``'s directory name)."""
+    spec = str(spec)
+    if not _is_name(spec):
+        path = Path(spec).expanduser().resolve()
+        spec = path.parent.name if path.name == "tokenizer.json" else path.stem
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", spec) or "tokenizer"
+
+
 @functools.lru_cache(maxsize=8)
-def get_tokenizer(name: str, cache_dir: str | Path | None = None) -> Tokenizer:
-    """Build (once per process) the named tokenizer from its offline rank file.
+def get_tokenizer(spec: str, cache_dir: str | Path | None = None) -> Tokenizer | HFTokenizer:
+    """Build (once per process) the tokenizer ``spec`` names.
 
     Args:
-        name: ``"gpt2"`` (vocab 50,257) or ``"llama3"`` (vocab 128,256).
+        spec: ``"gpt2"`` (vocab 50,257) or ``"llama3"`` (vocab 128,256), built from their
+            offline rank files; a pretrained model (``"smollm2-135m"``), whose file is
+            fetched on first use; or the path of a Hugging Face ``tokenizer.json``, a
+            directory holding one, or a GGUF file.
         cache_dir: Asset cache directory; see `fetch_asset`.
 
     Raises:
-        ValueError: If ``name`` is not a known tokenizer.
+        ValueError: If ``spec`` is none of these, or its file holds no usable tokenizer.
     """
-    if name not in _BUILDERS:
-        raise ValueError(f"unknown tokenizer {name!r}; known tokenizers: {list(TOKENIZER_NAMES)}")
-    return _BUILDERS[name](cache_dir)
+    if spec in _BUILDERS:
+        return _BUILDERS[spec](cache_dir)
+    path = resolve_model_path(spec, cache_dir).expanduser()
+    if not path.exists():
+        names = [*TOKENIZER_NAMES, *PRETRAINED_MODELS]
+        raise ValueError(
+            f"unknown tokenizer {spec!r}: not one of {names} and no such file or directory;"
+            " give a name or the path of a tokenizer.json, a directory holding one, or a"
+            " .gguf file"
+        )
+    return load_hf_tokenizer(path, tokenizer_short_name(spec))

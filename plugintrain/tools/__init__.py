@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from plugintrain.tools.compare import main as compare_main
+from plugintrain.tools.convert import convert_main, export_main
 from plugintrain.tools.generate import main as generate_main
 from plugintrain.tools.prepare import main as prepare_main
 from plugintrain.tools.schedule import main as schedule_main
@@ -18,6 +19,8 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "generate": generate_main,
     "compare": compare_main,
     "schedule": schedule_main,
+    "export": export_main,
+    "convert": convert_main,
 }
 
 _OVERVIEW = """\
@@ -31,7 +34,11 @@ Training (LightningCLI; `plugintrain fit --help` lists every option):
 
 Tools:
   prepare    build real datasets offline: plugintrain prepare shakespeare --tokenizer gpt2
-  generate   sample text from a checkpoint: plugintrain generate --ckpt_path last.ckpt
+  generate   sample text from a checkpoint or pretrained weights:
+               plugintrain generate --ckpt_path smollm2-135m --prompt 'The capital of France is'
+  export     a checkpoint for transformers, llm.c or llama.cpp:
+               plugintrain export last.ckpt out_dir --format hf
+  convert    weights between formats: plugintrain convert model.gguf out_dir --format hf
   compare    diff two runs' losses/module stats: plugintrain compare RUN_A RUN_B --dtype bf16
   schedule   simulate a pipeline schedule: plugintrain schedule --pp 4 --vpp 2 --microbatches 8
 

@@ -6,7 +6,6 @@ one line naming the value and the fix, and exit status 2.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from argparse import Namespace
@@ -14,12 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from plugintrain.data.assets import PRETRAINED_MODELS
 from plugintrain.tools._args import ToolParser
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from plugintrain.data import Tokenizer
+    from plugintrain.data import HFTokenizer, Tokenizer
     from plugintrain.model_zoo import CausalLM
 
 
@@ -30,8 +30,9 @@ def _parser() -> ToolParser:
     parser.add_argument(
         "--ckpt_path",
         required=True,
-        help="a .ckpt written by `plugintrain fit`: a file, or the DCP directory of the"
-        " hybrid and pipeline strategies",
+        help="a .ckpt written by `plugintrain fit` (a file, or the DCP directory of the"
+        " sharded strategies), or pretrained weights: a Hugging Face model directory, an"
+        f" llm.c .bin, a .gguf file, or one of {', '.join(PRETRAINED_MODELS)}",
     )
     parser.add_argument("--prompt", default="\n", help="text to continue (not empty)")
     parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens to add (>= 1)")
@@ -45,9 +46,10 @@ def _parser() -> ToolParser:
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument(
         "--tokenizer",
-        choices=("gpt2", "llama3"),
         default=None,
-        help="default: the tokenizer of the model's family",
+        help="gpt2, llama3, a pretrained model, or the path of a tokenizer.json, a directory"
+        " holding one or a .gguf file (default: the tokenizer that came with the model's"
+        " weights, else its family's)",
     )
     parser.add_argument(
         "--no_cache",
@@ -72,7 +74,7 @@ def _argument_problem(args: Namespace) -> str | None:
         return f"--top_k must be >= 1 (1 is greedy), got {args.top_k}"
     if args.num_samples < 1:
         return f"--num_samples must be >= 1, got {args.num_samples}"
-    if not Path(args.ckpt_path).exists():
+    if not Path(args.ckpt_path).exists() and args.ckpt_path not in PRETRAINED_MODELS:
         return (
             f"--ckpt_path {args.ckpt_path}: no such file or directory; pass the last.ckpt that"
             " `plugintrain fit` wrote, e.g. runs/<recipe>/checkpoints/last.ckpt"
@@ -82,16 +84,16 @@ def _argument_problem(args: Namespace) -> str | None:
 
 def _prompt_problem(prompt: list[int], args: Namespace, module: CausalLM) -> str | None:
     """What stops ``prompt`` (token ids) from being continued by ``module``; None if nothing."""
-    top, family = max(prompt), module.config.family
+    top, reads = max(prompt), _model_tokenizer(module)
     if top >= module.vocab_size:
-        own = args.tokenizer in (None, family)
+        own = args.tokenizer in (None, reads)
         return (
-            f"the prompt holds token id {top} ({args.tokenizer or family} tokenizer), outside"
+            f"the prompt holds token id {top} ({args.tokenizer or reads} tokenizer), outside"
             f" the model's vocab_size={module.vocab_size}; "
             + (
                 "use a prompt within its vocabulary"
                 if own
-                else f"drop --tokenizer {args.tokenizer}: the model reads {family} tokens"
+                else f"drop --tokenizer {args.tokenizer}: the model reads {reads} tokens"
             )
         )
     total, limit = len(prompt) + args.max_new_tokens, module.max_seq_len
@@ -106,37 +108,29 @@ def _prompt_problem(prompt: list[int], args: Namespace, module: CausalLM) -> str
 
 
 def load_causal_lm(path: str | Path) -> CausalLM:
-    """A CausalLM from a checkpoint file, or from a distributed (DCP) checkpoint directory.
+    """A CausalLM from anything plugintrain reads weights from: a checkpoint file or DCP
+    directory written by ``plugintrain fit``, a Hugging Face model directory, an llm.c
+    ``.bin``, a ``.gguf`` file, or a pretrained name such as ``smollm2-135m``.
 
     A DCP directory (every plugintrain strategy but Lightning's own) holds every parameter
     under its full-model name, spread over the ranks' shard files; the weights are read
-    into one state dict on the CPU, whatever the layout that wrote them. Nothing is
-    unpickled beyond tensors and plain data: the model is rebuilt from the saved
+    into one model on the CPU, whatever the layout that wrote them. Nothing is unpickled
+    beyond tensors and plain data: a checkpoint's model is rebuilt from its saved
     hyperparameters (JSON beside a directory's shards).
     """
-    from plugintrain.checkpoint_files import LIGHTNING_METADATA, load_torch_file
-    from plugintrain.model_zoo import CausalLM, TransformerConfig
-    from plugintrain.strategies.checkpoint import read_hparams
+    from plugintrain.formats import detect_format, load_into, open_weights
+    from plugintrain.formats.checkpoint import module_hparams
+    from plugintrain.model_zoo import CausalLM
 
-    path = Path(path)
-    if path.is_dir():
-        if not (path / LIGHTNING_METADATA).is_file():
-            raise FileNotFoundError(
-                f"{path} is a directory without {LIGHTNING_METADATA}: not a checkpoint written"
-                " by `plugintrain fit`; pass its `last.ckpt` (file or directory)."
-            )
-        hparams, weights = read_hparams(path), None
-    else:
-        checkpoint = load_torch_file(path, map_location="cpu", mmap=True)
-        hparams, weights = checkpoint.get("hyper_parameters", {}), checkpoint["state_dict"]
-    # LightningCLI adds its own entries (`_class_path`, ...) beside the arguments.
-    accepted = inspect.signature(CausalLM).parameters
-    hparams = {k: v for k, v in hparams.items() if k in accepted}
-    if isinstance(hparams.get("config"), dict):  # a config object, saved as its fields
-        hparams["config"] = TransformerConfig.from_dict(hparams["config"])
-    module = CausalLM(**hparams)
+    if str(path) in PRETRAINED_MODELS or detect_format(Path(path)) != "checkpoint":
+        module = CausalLM(weights=str(path))
+        module.configure_model()
+        return module
+    weights = open_weights(path)
+    hparams = module_hparams(weights.reader.hparams)
+    module = CausalLM(**{**hparams, "config": weights.config})
     module.configure_model()
-    module.load_state_dict(dcp_state_dict(path) if weights is None else weights)
+    load_into(module.model, weights)
     return module
 
 
@@ -149,7 +143,7 @@ def dcp_state_dict(path: str | Path) -> dict[str, Tensor]:
 
 
 def _print_samples(
-    module: CausalLM, tokenizer: Tokenizer, prompt: list[int], args: Namespace
+    module: CausalLM, tokenizer: Tokenizer | HFTokenizer, prompt: list[int], args: Namespace
 ) -> None:
     import torch
 
@@ -171,6 +165,11 @@ def _print_samples(
         print(tokenizer.decode(tokens))
 
 
+def _model_tokenizer(module: CausalLM) -> str:
+    """The tokenizer spec the model reads: the one its weights came with, else its family's."""
+    return module.config.tokenizer or module.config.family
+
+
 def main(argv: Sequence[str]) -> int:
     """Run ``plugintrain generate``; prints each sample to stdout."""
     parser = _parser()
@@ -184,12 +183,13 @@ def main(argv: Sequence[str]) -> int:
     from plugintrain.data import get_tokenizer
 
     torch.manual_seed(args.seed)
-    try:
+    try:  # a bad --tokenizer is refused before the checkpoint is read
+        tokenizer = get_tokenizer(args.tokenizer) if args.tokenizer else None
         module = load_causal_lm(args.ckpt_path)
+        tokenizer = tokenizer or get_tokenizer(_model_tokenizer(module))
     except (FileNotFoundError, ValueError) as error:  # incl. unsafe or truncated files
         parser.error(str(error))
     module.eval()
-    tokenizer = get_tokenizer(args.tokenizer or module.config.family)
     prompt = tokenizer.encode(args.prompt)
     problem = _prompt_problem(prompt, args, module)
     if problem is not None:

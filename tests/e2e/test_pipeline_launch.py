@@ -4,8 +4,8 @@ The GPT-2 pipeline recipe (pp=2, 1F1B, tied head) runs on 2 processes, resumes i
 step-2 DCP checkpoint under another layout (interleaved, 2 chunks per rank: the layers
 move between ranks) with the uninterrupted run's losses, and ends with the weights of a
 single-process fit on the same batches. The 4-D recipe (dp2 x tp2+SP x pp2, ZeRO-1) runs
-on 8 processes and matches a single process too. Layouts that cannot run are refused at
-parse time, before any process starts.
+on 8 processes and matches a single process too, and both export to the same Hugging
+Face weights. Layouts that cannot run are refused at parse time, before any process starts.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file
 
-from plugintrain.cli import PluginTrainCLI
+from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.data import get_tokenizer
 from plugintrain.tools.generate import dcp_state_dict
 
@@ -130,6 +132,18 @@ def test_four_d_recipe_matches_single_process(shakespeare_llama3: Path, tmp_path
     assert set(four_d) == set(single)
     for name, weight in four_d.items():
         torch.testing.assert_close(weight, single[name], rtol=1e-4, atol=1e-5, msg=name)
+    # Both export to the same Hugging Face weights (the sharded one read tensor by tensor).
+    single_ckpt = single_dir / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt"
+    exported = {}
+    for name, ckpt in (("four_d", last), ("single", single_ckpt)):
+        assert main(["export", str(ckpt), str(tmp_path / f"hf_{name}"), "--format", "hf"]) == 0
+        exported[name] = load_file(tmp_path / f"hf_{name}" / "model.safetensors")
+    assert exported["four_d"].keys() == exported["single"].keys()
+    assert "model.layers.3.self_attn.q_proj.weight" in exported["four_d"]
+    for name, weight in exported["four_d"].items():
+        torch.testing.assert_close(weight, exported["single"][name], rtol=1e-4, atol=1e-5, msg=name)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_four_d")
+    torch.testing.assert_close(hf.model.embed_tokens.weight, four_d["model.tok_embeddings.weight"])
 
 
 @pytest.mark.parametrize(

@@ -225,3 +225,21 @@ def test_model_summary_prints_flops_only_when_counted(monkeypatch) -> None:
     columns[-1] = ("FLOPs", ["1.2 M"])
     CountedFlopsSummary.summarize(columns, 7_300_000, 7_300_000, 29.0, modes, 1_200_000)
     assert "FLOPs" in lines[-1] and "1.2 M" in lines[-1]
+
+
+def test_a_model_reads_the_tokenizer_its_config_names(capfd, tmp_path: Path, gpt2_tokens: Path):
+    # A config that names the tokenizer its weights came with: the data must be its tokens.
+    fields = {
+        "name": "smollm2-like", "family": "llama3", "vocab_size": 49152, "block_size": 256,
+        "n_layer": 1, "n_head": 4, "n_embd": 64, "n_kv_head": 2, "norm": "rmsnorm",
+        "mlp": "swiglu", "position": "rope", "bias": False, "tokenizer": "smollm2-135m",
+    }  # fmt: skip
+    line = _fit_error(
+        capfd, tmp_path, gpt2_tokens, f"--model.init_args.config={json.dumps(fields)}"
+    )
+    out = tmp_path / "shakespeare_smollm2-135m"
+    assert line == (
+        f"plugintrain fit: error: {gpt2_tokens} holds gpt2 tokens (its meta.json) but the model"
+        f" reads smollm2-135m tokens; prepare them with `plugintrain prepare shakespeare"
+        f" --tokenizer smollm2-135m --out {out}` and pass `--data.init_args.data_dir {out}`"
+    )

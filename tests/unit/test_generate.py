@@ -212,3 +212,54 @@ def test_generate_equals_hugging_face_on_the_same_gpt2():
         torch.manual_seed(seed)
         ours = lm.generate(prompt, 12, temperature=0.8, top_k=5)
         torch.testing.assert_close(ours, sampled, rtol=0, atol=0, msg=f"seed {seed}")
+
+
+# ---- which tokenizer `plugintrain generate` reads the prompt with ----------------------
+
+
+def test_bad_tokenizer_is_one_line_before_the_checkpoint_is_read(capsys, tmp_path, monkeypatch):
+    from plugintrain.cli import main
+    from plugintrain.tools import generate
+
+    (tmp_path / "last.ckpt").write_bytes(b"not read")
+    monkeypatch.setattr(generate, "load_causal_lm", lambda path: pytest.fail("checkpoint read"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", "--tokenizer=gtp2"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        "plugintrain generate: error: unknown tokenizer 'gtp2': not one of ['gpt2', 'llama3',"
+    )
+
+
+def test_the_tokenizer_that_came_with_the_weights_reads_the_prompt(capsys, tmp_path, monkeypatch):
+    import json
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    from plugintrain.cli import main
+    from plugintrain.data import get_tokenizer
+    from plugintrain.tools import generate
+
+    bpe = ByteLevelBPETokenizer()
+    verse = "Now is the winter of our discontent made glorious summer by this sun of York"
+    bpe.train_from_iterator(
+        [verse] * 4, vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False
+    )
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    torch.manual_seed(0)
+    config = TransformerConfig.from_name(
+        "gpt2-debug", vocab_size=320, block_size=32, n_layer=1, tokenizer=str(tmp_path)
+    )
+    lm = CausalLM(config)
+    lm.configure_model()
+    (tmp_path / "last.ckpt").write_bytes(b"stands for the model above")
+    monkeypatch.setattr(generate, "load_causal_lm", lambda path: lm)
+    args = ["--prompt=the winter of", "--max_new_tokens=4", "--temperature=0", "--json"]
+    assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", *args]) == 0
+    sample = json.loads(capsys.readouterr().out)
+    tok = get_tokenizer(str(tmp_path))
+    prompt = tok.encode("the winter of")
+    assert len(prompt) < len("the winter of")  # the merges at work, not bytes
+    assert sample["tokens"][: len(prompt)] == prompt and len(sample["tokens"]) == len(prompt) + 4
+    assert sample["text"] == tok.decode(sample["tokens"])

@@ -3,11 +3,14 @@
 import math
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from plugintrain.data import TokenDataModule, get_tokenizer, write_token_bin, write_token_bytes
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig
+from plugintrain.model_zoo.lm import BitsPerByte
 
 
 def _config(preset: str = "gpt2-debug") -> TransformerConfig:
@@ -103,6 +106,28 @@ def test_meta_build_then_materialize_keeps_ties():
     assert residual == pytest.approx(config.init_std / math.sqrt(2 * config.n_layer), rel=0.1)
 
 
+def test_materializing_a_meta_built_model_keeps_its_metrics():
+    # Shard-first strategies build the transformer on meta and allocate it in place; the
+    # metrics were real all along and keep their states (once, every state was replaced
+    # by uninitialized memory: val_ppl 1.0 under pipelines).
+    from plugintrain.strategies.parallelize import materialize
+
+    lm = CausalLM(_config("llama3-debug"))
+    with torch.device("meta"):
+        lm.configure_model()
+    states = [lm.eval_metrics["val"].ppl.count, lm.eval_metrics["val"].bpb.byte_sum]
+    materialize(lm, torch.device("cpu"))
+    assert not any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
+    assert lm.model.output.weight is lm.model.tok_embeddings.weight
+    metrics = lm.eval_metrics["val"]
+    now = [metrics.ppl.count, metrics.bpb.byte_sum]
+    assert all(a is b for a, b in zip(states, now, strict=True))  # not replaced by garbage
+    metrics.token_bytes = torch.ones(64, dtype=torch.int32)
+    logged = metrics.update(torch.tensor(2.0), torch.zeros(4, 8, dtype=torch.long))
+    assert logged["ppl"].compute().item() == pytest.approx(math.exp(2.0))
+    assert logged["bpb"].compute().item() == pytest.approx(2.0 / math.log(2))
+
+
 def test_seeded_construction_is_reproducible():
     torch.manual_seed(3)
     a = Transformer(_config())
@@ -144,6 +169,7 @@ def test_fit_logs_losses_and_perplexity(tmp_path):
     trainer.fit(lm, loader, loader)
     metrics = trainer.callback_metrics
     assert {"train_loss", "val_loss", "val_ppl"} <= set(metrics)
+    assert "val_bpb" not in metrics  # plain loaders know no bytes per token
     assert lm.flops_per_batch == lm.config.flops_per_token(16) * 2 * 16
     assert metrics["val_ppl"].item() == pytest.approx(
         math.exp(metrics["val_loss"].item()), rel=1e-4
@@ -153,3 +179,66 @@ def test_fit_logs_losses_and_perplexity(tmp_path):
     trainer.save_checkpoint(tmp_path / "lm.ckpt")
     loaded = CausalLM.load_from_checkpoint(tmp_path / "lm.ckpt")
     torch.testing.assert_close(loaded(x), lm(x))
+
+
+# ---- bits per byte ---------------------------------------------------------------------
+
+VERSE = (
+    "Now is the winter of our discontent\nMade glorious summer by this sun of York;\n"
+    "And all the clouds that lour'd upon our house\nIn the deep bosom of the ocean buried.\n"
+    "Now are our brows bound with victorious wreaths;\nOur bruised arms hung up for"
+    " monuments;\nOur stern alarums changed to merry meetings,\nOur dreadful marches to"
+    " delightful measures.\nGrim-visaged war hath smooth'd his wrinkled front;\n"
+)
+
+
+def test_bits_per_byte_metric():
+    bpb = BitsPerByte()
+    token_bytes = torch.tensor([0, 1, 2, 3])
+    bpb.update(torch.tensor(2.0), torch.tensor([[1, 2], [3, 0]]), token_bytes)  # NLL 8, 6 bytes
+    bpb.update(torch.tensor(1.0), torch.tensor([3, 3]), token_bytes)  # NLL 2, 6 bytes
+    assert bpb.compute().item() == pytest.approx(10 / (12 * math.log(2)))
+
+
+class _EvalData(L.LightningDataModule):
+    """Test batches and the bytes per token id (a TokenBytesSource)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, token_bytes: torch.Tensor) -> None:
+        super().__init__()
+        self.batches, self.token_bytes = TensorDataset(x, y), token_bytes
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.batches, batch_size=2)
+
+
+def test_validation_logs_bits_per_byte_of_the_text(tmp_path):
+    gpt2 = get_tokenizer("gpt2")
+    ids = np.array(gpt2.encode(VERSE))
+    seq_len, windows = 16, 6
+    write_token_bin(tmp_path / "train.bin", ids)
+    write_token_bin(tmp_path / "val.bin", ids[: seq_len * windows + 1])
+    write_token_bytes(tmp_path, gpt2.token_bytes())
+    torch.manual_seed(0)
+    config = TransformerConfig.from_name("gpt2-debug", block_size=seq_len, n_layer=1)
+    lm = CausalLM(config)
+    data = TokenDataModule(str(tmp_path), seq_len=seq_len, batch_size=2, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path
+    )
+    (result,) = trainer.validate(lm, datamodule=data, verbose=False)
+
+    # The same windows by hand: NLL from log-softmax, bytes from the decoded target text.
+    tokens = torch.from_numpy(ids[: seq_len * windows + 1]).long()
+    x, y = tokens[:-1].view(windows, seq_len), tokens[1:].view(windows, seq_len)
+    with torch.no_grad():
+        log_p = torch.log_softmax(lm(x).double(), dim=-1)
+    nll = -log_p.gather(-1, y[..., None]).sum().item()
+    text_bytes = sum(len(gpt2.decode(row.tolist()).encode()) for row in y)
+    expected = nll / text_bytes / math.log(2)
+    assert result["val_bpb"] == pytest.approx(expected, rel=1e-5)
+    assert result["val_loss"] == pytest.approx(nll / y.numel(), rel=1e-5)
+
+    (tested,) = trainer.test(
+        lm, _EvalData(x, y, torch.from_numpy(gpt2.token_bytes())), verbose=False
+    )
+    assert tested["test_bpb"] == pytest.approx(expected, rel=1e-5)

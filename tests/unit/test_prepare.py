@@ -4,15 +4,19 @@ import gzip
 import hashlib
 import json
 import shlex
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import ByteLevelBPETokenizer
 
 from plugintrain.cli import main
 from plugintrain.data import (
     AssetError,
     MNISTDataModule,
+    TokenDataModule,
+    fetch_asset,
     get_tokenizer,
     prepare_mnist,
     prepare_shakespeare,
@@ -52,6 +56,77 @@ def test_shakespeare_gpt2_token_files(shakespeare_gpt2):
     assert "by William Shakespeare" in get_tokenizer("gpt2").decode(train[1:40].tolist())
     assert 4.0 < meta["val_unigram_xent_nats"] < np.log(50257)
     assert json.loads((out / "meta.json").read_text()) == meta
+
+
+def _work_texts() -> dict[str, str]:
+    files = fetch_asset("shakespeare").glob("*_gut.txt")
+    return {p.name.removesuffix("_gut.txt"): p.read_text(encoding="utf-8") for p in files}
+
+
+def test_shakespeare_bytes_per_token(shakespeare_gpt2):
+    out, meta = shakespeare_gpt2
+    table = np.load(out / "token_bytes.npy", allow_pickle=False)
+    assert table.dtype == np.int32
+    np.testing.assert_array_equal(table, get_tokenizer("gpt2").token_bytes())
+    # The validation tokens spell the held-out works, byte for byte (separators spell none).
+    texts = _work_texts()
+    assert meta["val_bytes"] == sum(len(texts[name].encode()) for name in meta["val_works"])
+    # The unigram baseline per byte, from the token files: add-one-smoothed training
+    # frequencies, total validation NLL over the validation bytes.
+    train, val = read_token_bin(out / "train.bin"), read_token_bin(out / "val.bin")
+    counts = np.bincount(train, minlength=50257) + 1.0
+    nll = -np.log(counts[val] / counts.sum()).sum()
+    assert meta["val_unigram_bpb"] == pytest.approx(nll / meta["val_bytes"] / np.log(2))
+    assert 1.0 < meta["val_unigram_bpb"] < 8.0
+
+
+def test_a_dataset_prepared_before_bits_per_byte_is_completed(shakespeare_gpt2, tmp_path):
+    out, meta = shakespeare_gpt2
+    for name in ("train.bin", "val.bin"):
+        shutil.copy(out / name, tmp_path / name)
+    older = {k: v for k, v in meta.items() if k not in ("val_bytes", "val_unigram_bpb")}
+    (tmp_path / "meta.json").write_text(json.dumps(older))
+    stamp = (tmp_path / "train.bin").stat().st_mtime_ns
+    assert prepare_shakespeare(tmp_path, tokenizer="gpt2") == meta
+    assert (tmp_path / "train.bin").stat().st_mtime_ns == stamp  # completed, not rebuilt
+    assert (tmp_path / "token_bytes.npy").read_bytes() == (out / "token_bytes.npy").read_bytes()
+
+
+def test_a_bad_tokenizer_is_refused_before_anything_is_written(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"^unknown tokenizer 'gtp2': not one of \['gpt2'"):
+        prepare_shakespeare(tmp_path / "out", tokenizer="gtp2")
+    with pytest.raises(SystemExit) as info:
+        main(["prepare", "shakespeare", "--tokenizer", "gtp2", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("plugintrain prepare: error: unknown tokenizer 'gtp2': not one of")
+    assert not (tmp_path / "out").exists()
+
+
+def test_shakespeare_with_a_tokenizer_json(tmp_path, monkeypatch, capsys):
+    # A small byte-level BPE as a Hugging Face tokenizer.json, named by a relative path.
+    texts = _work_texts()
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        [texts["hamlet"]], vocab_size=600, special_tokens=["<|endoftext|>"], show_progress=False
+    )
+    (tmp_path / "tiny bpe").mkdir()
+    bpe.save(str(tmp_path / "tiny bpe" / "tokenizer.json"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "shakespeare", "--tokenizer", "tiny bpe/tokenizer.json"]) == 0
+    out = tmp_path / "data" / "shakespeare_tiny_bpe"  # the default, named for the directory
+    meta = json.loads((out / "meta.json").read_text())
+    assert json.loads(capsys.readouterr().out) == meta
+    assert meta["tokenizer"] == str(tmp_path / "tiny bpe" / "tokenizer.json")
+    assert (meta["vocab_size"], meta["bos_id"]) == (600, 0)
+    assert meta["val_bytes"] == sum(len(texts[name].encode()) for name in meta["val_works"])
+    assert prepare_shakespeare(out, tokenizer=str(tmp_path / "tiny bpe" / "tokenizer.json")) == meta
+    # The model's tokenizer, however spelled, matches what meta.json recorded.
+    TokenDataModule(str(out), seq_len=8, batch_size=2, tokenizer="tiny bpe/tokenizer.json")
+    with pytest.raises(
+        ValueError, match=r"holds .*tokenizer\.json tokens .* but the model reads gpt2"
+    ):
+        TokenDataModule(str(out), seq_len=8, batch_size=2, tokenizer="gpt2")
 
 
 def test_shakespeare_is_idempotent(shakespeare_gpt2):

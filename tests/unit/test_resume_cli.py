@@ -103,12 +103,12 @@ def test_an_elastic_restart_resumes_last_by_itself(monkeypatch, tmp_path) -> Non
 
 def test_options_left_at_their_defaults_take_the_checkpoints() -> None:
     saved = {**HPARAMS, "config": "llama3-debug", "warmup_steps": 7}
-    given = {"config": "gpt2-debug", "warmup_steps": 100}  # both CausalLM's defaults
+    given = {"config": None, "warmup_steps": 100}  # both CausalLM's defaults
     assert reconcile("c.ckpt", saved, given, CausalLM, []) == {
         "config": "llama3-debug",
         "warmup_steps": 7,
     }
-    given = {"config": "gpt2-debug", "warmup_steps": 3}
+    given = {"config": None, "warmup_steps": 3}
     with pytest.raises(ValueError, match="warmup_steps=7, but this run sets warmup_steps=3"):
         reconcile("c.ckpt", saved, given, CausalLM, [])
     kept = reconcile("c.ckpt", saved, given, CausalLM, ["warmup_steps"])

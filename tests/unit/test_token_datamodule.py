@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from plugintrain.data import TokenDataModule, write_token_bin
+from plugintrain.data import TokenBytesSource, TokenDataModule, write_token_bin, write_token_bytes
 from plugintrain.tools.prepare import _parser as prepare_parser
 
 T, B = 4, 2
@@ -130,6 +130,30 @@ def test_token_files_of_another_tokenizer_are_refused_on_construction(data_dir):
     TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="gpt2")
     (data_dir / "meta.json").unlink()
     TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="llama3")
+
+
+def test_a_tokenizer_path_matches_however_it_is_spelled(data_dir, monkeypatch):
+    # prepare records a path made absolute; a model may name it relative to where it runs.
+    monkeypatch.chdir(data_dir.parent)
+    _meta(data_dir, str(data_dir.parent / "hf" / "tokenizer.json"))
+    TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="hf/tokenizer.json")
+    with pytest.raises(ValueError) as info:
+        TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="models/Smol.Q4.gguf")
+    out = data_dir.parent / "shakespeare_Smol.Q4"  # named for the file, not its whole path
+    args = prepare_parser().parse_args(_command(str(info.value))[2:])
+    assert (args.tokenizer, args.out, args.overwrite) == ("models/Smol.Q4.gguf", str(out), False)
+
+
+def test_bytes_per_token_are_read_in_setup(data_dir):
+    assert _datamodule(data_dir).token_bytes is None  # token files prepared without them
+    table = np.arange(64, dtype=np.int32) % 5
+    write_token_bytes(data_dir, table)
+    dm = _datamodule(data_dir)
+    assert isinstance(dm, TokenBytesSource)
+    assert dm.token_bytes.tolist() == table.tolist()
+    np.save(data_dir / "token_bytes.npy", np.zeros((2, 3)))
+    with pytest.raises(ValueError, match=r"token_bytes.npy: expected a 1-D integer array"):
+        _datamodule(data_dir)
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_s_is_refused_on_construction(data_dir):

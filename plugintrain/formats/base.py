@@ -1,0 +1,163 @@
+"""What every weight format reader gives, and loading it into a model of any layout.
+
+A format reader (:class:`TensorReader`) exposes a file's tensors under the names and
+layouts of the matching Hugging Face model (the lingua franca: llm.c and GGUF readers
+translate to it), read one at a time from a memory map. :class:`Weights` turns a reader
+into our tensor names through the family's import plan; :func:`load_into` copies them into
+a model that may be a pipeline stage or hold DTensor shards: each rank reads one whole
+tensor at a time and keeps only its own box of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from plugintrain.checkpoint_files import shape_mismatch
+from plugintrain.model_zoo import gpt2, llama3
+from plugintrain.model_zoo.adapters import Plan
+from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.transformer import Transformer
+from plugintrain.tensor_boxes import local_box, select
+
+FAMILIES = {"gpt2": gpt2, "llama3": llama3}
+"""Model family -> its module (config mapping and import/export plans for Hugging Face)."""
+
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
+"""Buffers some Hugging Face checkpoints hold that are derived, not learned."""
+
+
+class WeightFormatError(ValueError):
+    """A weight file that cannot be read as the model it claims to be (one-line message)."""
+
+
+@runtime_checkable
+class TensorReader(Protocol):
+    """A weight file's tensors, named and laid out as in the matching Hugging Face model."""
+
+    path: Path
+    config: TransformerConfig
+    """The architecture the file describes."""
+    tokenizer: str | None
+    """The tokenizer that ships with the weights (a path), if any."""
+
+    def names(self) -> list[str]:
+        """The tensors the file holds."""
+        ...
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name`` (without reading it)."""
+        ...
+
+    def read(self, name: str) -> Tensor:
+        """Tensor ``name`` on the CPU (a memory-mapped view where the format allows)."""
+        ...
+
+
+class Weights:
+    """A model's tensors under our names, from any source: a foreign format's reader through
+    the family's Hugging Face import plan, or one of our checkpoints (a plan of renames).
+
+    Args:
+        reader: The file.
+        plan: Our tensor name -> how it is built from the reader's tensors; None means the
+            family's Hugging Face import plan.
+    """
+
+    def __init__(self, reader: TensorReader, plan: Plan | None = None) -> None:
+        self.reader = reader
+        self.config = reader.config
+        self.tokenizer = reader.tokenizer
+        self.plan = (
+            plan
+            if plan is not None
+            else FAMILIES[reader.config.family].hf_import_plan(reader.config)
+        )
+
+    @property
+    def path(self) -> Path:
+        """The file or directory read."""
+        return self.reader.path
+
+    def names(self) -> list[str]:
+        """Our tensor names, in the model's order."""
+        return list(self.plan)
+
+    def read(self, name: str) -> Tensor:
+        """Our tensor ``name``, built from the file's (one output tensor in memory at a time)."""
+        rule = self.plan[name]
+        return rule.build(*(self.reader.read(source) for source in rule.sources))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Our tensor ``name``'s shape, worked out on the meta device (nothing is read)."""
+        rule = self.plan[name]
+        sources = (torch.empty(self.reader.shape(s), device="meta") for s in rule.sources)
+        return tuple(rule.build(*sources).shape)
+
+    def check(self, expected: dict[str, tuple[int, ...]]) -> None:
+        """Raise a one-line :class:`WeightFormatError` unless the file holds exactly the
+        tensors of a model whose tensor shapes are ``expected`` (missing and unexpected
+        tensors listed, a wrong shape named with both shapes)."""
+        held = set(self.reader.names())
+        needed = {s for name in expected for s in self.plan[name].sources}
+        missing = sorted(needed - held)
+        # A tied head saved anyway (as `state_dict()` does) is the embedding under its name.
+        aliases = {"lm_head.weight"} if self.config.tie_embeddings else set()
+        extra = held - needed - aliases
+        unexpected = sorted(n for n in extra if not n.endswith(IGNORED_SUFFIXES))
+        if missing or unexpected:
+            raise WeightFormatError(
+                f"{self.path}: does not hold the weights of {self.config.name}:"
+                f" missing {_listed(missing)}, unexpected {_listed(unexpected)}; pass the"
+                " model's whole checkpoint, and a config that matches it (or none)."
+            )
+        for name, shape in expected.items():
+            if self.shape(name) != shape:
+                sources = ", ".join(self.plan[name].sources)
+                label = name if sources == name else f"{sources} (as {name})"
+                raise shape_mismatch(self.path, label, self.shape(name), shape)
+
+    def items(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` for every tensor, read one at a time."""
+        for name in self.plan:
+            yield name, self.read(name)
+
+
+def _listed(names: list[str], limit: int = 6) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{len(names)} ({', '.join(names[:limit])}{more})"
+
+
+def model_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the whole model ``config`` describes, with its shape (built on the
+    meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+@torch.no_grad()
+def load_into(model: nn.Module, weights: Weights) -> None:
+    """Copy ``weights`` into ``model``: a whole :class:`Transformer`, a pipeline stage of one,
+    or one holding DTensor shards (tp, FSDP2). Each tensor this rank holds is read whole,
+    once, and only its local box is copied (a tied pair is one tensor, written once).
+
+    Raises:
+        WeightFormatError: Before anything is copied, if the file is not this model's.
+        ValueError: On a shape mismatch (both shapes named).
+    """
+    weights.check(model_shapes(weights.config))
+    seen: set[int] = set()
+    for name, param in model.state_dict(keep_vars=True).items():
+        if id(param) in seen or name not in weights.plan:
+            continue
+        seen.add(id(param))
+        local, box = local_box(param)
+        full = weights.read(name)
+        local.copy_(select(full, box, (0,) * full.dim()))

@@ -1,0 +1,202 @@
+"""Hugging Face model directories: ``config.json`` plus safetensors (one file or sharded
+with an index), read tensor by tensor from memory maps and written the same way.
+
+Legacy ``pytorch_model.bin`` weights are read with ``torch.load(weights_only=True)``
+(tensors and plain containers only), never unpickled freely.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from plugintrain.checkpoint_files import load_torch_file
+from plugintrain.formats.base import FAMILIES, WeightFormatError
+from plugintrain.formats.safetensors_io import write_safetensors
+
+CONFIG = "config.json"
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MAX_SHARD_BYTES = 5 * 2**30
+"""Hugging Face's default shard size: larger exports are split, with an index."""
+
+_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama3"}
+"""Hugging Face ``model_type`` -> our family."""
+
+
+def is_hf_dir(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face model directory."""
+    return path.is_dir() and (path / CONFIG).is_file()
+
+
+class HFReader:
+    """The tensors of a Hugging Face model directory, by the model's state-dict names.
+
+    Args:
+        path: The directory (``config.json`` and the weights).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        hf_config = _read_json(path / CONFIG)
+        model_type = hf_config.get("model_type")
+        if model_type not in _MODEL_TYPES:
+            raise WeightFormatError(
+                f"{path / CONFIG}: model_type {model_type!r} is not supported; plugintrain"
+                f" imports {sorted(_MODEL_TYPES)} (GPT-2 and Llama)."
+            )
+        family = FAMILIES[_MODEL_TYPES[model_type]]
+        try:
+            self.config = family.from_hf_config(hf_config, path.name)
+        except (KeyError, TypeError, ValueError) as error:
+            raise WeightFormatError(f"{path / CONFIG}: {error}") from None
+        self.tokenizer = str(path) if (path / "tokenizer.json").is_file() else None
+        self._normalize = family.hf_key if family is FAMILIES["gpt2"] else (lambda key: key)
+        self._open: dict[Path, Any] = {}
+        self._files = self._locate()
+
+    def _locate(self) -> dict[str, Path]:
+        """Our (normalized) tensor name -> the file holding it."""
+        if (self.path / INDEX).is_file():
+            weight_map = _read_json(self.path / INDEX).get("weight_map", {})
+            return {self._normalize(k): self.path / f for k, f in weight_map.items()}
+        if (self.path / SAFETENSORS).is_file():
+            return {
+                self._normalize(k): self.path / SAFETENSORS
+                for k in self._keys(self.path / SAFETENSORS)
+            }
+        if (self.path / TORCH_BIN).is_file():
+            self._bin = load_torch_file(self.path / TORCH_BIN, map_location="cpu", mmap=True)
+            return {self._normalize(k): self.path / TORCH_BIN for k in self._bin}
+        raise WeightFormatError(
+            f"{self.path}: no {SAFETENSORS}, {INDEX} or {TORCH_BIN} beside {CONFIG}; pass a"
+            " directory written by save_pretrained (or `plugintrain export --format hf`)."
+        )
+
+    def _keys(self, file: Path) -> list[str]:
+        return list(self._handle(file).keys())
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self._open:
+            if not file.is_file():
+                raise WeightFormatError(f"{file}: missing, but {self.path / INDEX} names it.")
+            try:
+                self._open[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as error:
+                raise WeightFormatError(
+                    f"{file}: truncated or not a safetensors file ({error}); download or export"
+                    " it again."
+                ) from None
+        return self._open[file]
+
+    def names(self) -> list[str]:
+        """Tensor names, as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` state dicts have them."""
+        return list(self._files)
+
+    def _raw_name(self, file: Path, name: str) -> str:
+        """The name as stored (a ``GPT2Model`` file has no ``transformer.`` prefix)."""
+        keys = self._bin if file.name == TORCH_BIN else self._handle(file).keys()
+        return name if name in keys else name.removeprefix("transformer.")
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name`` from the file's header."""
+        file = self._files[name]
+        if file.name == TORCH_BIN:
+            return tuple(self._bin[self._raw_name(file, name)].shape)
+        return tuple(self._handle(file).get_slice(self._raw_name(file, name)).get_shape())
+
+    def read(self, name: str) -> Tensor:
+        """Tensor ``name``."""
+        file = self._files[name]
+        if file.name == TORCH_BIN:
+            return self._bin[self._raw_name(file, name)]
+        return self._handle(file).get_tensor(self._raw_name(file, name))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise WeightFormatError(f"{path}: not readable JSON ({error}).") from None
+
+
+def write_hf(
+    weights: Any, out: Path, dtype: torch.dtype, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> None:
+    """Write ``weights`` (our names) as a Hugging Face model directory ``out`` (which must
+    not exist yet): ``config.json``, safetensors shards of at most ``max_shard_bytes``
+    (with an index when there are several) and the tokenizer files when the weights came
+    with a Hugging Face one. Tensors are built and written one at a time."""
+    family = FAMILIES[weights.config.family]
+    plan = family.hf_export_plan(weights.config)
+    shapes = {name: _planned_shape(weights, rule) for name, rule in plan.items()}
+
+    def read(name: str) -> Tensor:
+        rule = plan[name]
+        return rule.build(*(weights.read(source) for source in rule.sources))
+
+    out.mkdir(parents=True)
+    shards = _split(shapes, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = (
+            SAFETENSORS
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        with open(out / file, "wb") as stream:
+            write_safetensors(stream, ((n, shapes[n]) for n in names), dtype, read)
+        weight_map.update(dict.fromkeys(names, file))
+    if len(shards) > 1:
+        total = (
+            sum(torch.Size(s).numel() for s in shapes.values())
+            * torch.empty((), dtype=dtype).element_size()
+        )
+        _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    hf_config = {
+        **family.to_hf_config(weights.config),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    _write_json(out / CONFIG, hf_config)
+    _copy_tokenizer(weights.tokenizer, out)
+
+
+def _planned_shape(weights: Any, rule: Any) -> tuple[int, ...]:
+    sources = (torch.empty(weights.shape(s), device="meta") for s in rule.sources)
+    return tuple(rule.build(*sources).shape)
+
+
+def _split(shapes: dict[str, tuple[int, ...]], width: int, limit: int) -> list[list[str]]:
+    """Tensor names in order, cut into shards of at most ``limit`` bytes (a larger tensor
+    gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = torch.Size(shape).numel() * width
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _copy_tokenizer(tokenizer: str | None, out: Path) -> None:
+    """The Hugging Face tokenizer files of the source directory, when it had them."""
+    if tokenizer is None or not Path(tokenizer).is_dir():
+        return
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer) / name).is_file():
+            shutil.copyfile(Path(tokenizer) / name, out / name)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,105 @@
+"""``plugintrain export`` and ``plugintrain convert``: weights out to other tools.
+
+``export CKPT OUT --format hf|llmc|gguf`` writes a checkpoint of ``plugintrain fit`` (one
+file, or the DCP directory of any sharded layout) for ``transformers``, llm.c or
+llama.cpp; ``convert SRC OUT --format ...`` does the same from any format plugintrain
+reads. Both read and write one tensor at a time, write ``OUT.partial`` and rename it into
+place, and refuse an existing ``OUT`` without ``--overwrite``: every check runs before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from plugintrain.tools._args import ToolParser
+
+_FORMATS = ("hf", "llmc", "gguf")
+_DTYPES = ("float32", "bfloat16", "float16", "q8_0")
+
+
+def _parser(command: str) -> ToolParser:
+    source = "CKPT" if command == "export" else "SRC"
+    what = (
+        "a checkpoint written by `plugintrain fit` (a .ckpt file or a sharded checkpoint directory)"
+        if command == "export"
+        else "weights in any format plugintrain reads: a checkpoint, a Hugging Face model"
+        " directory, an llm.c .bin, a .gguf file, or a pretrained name (smollm2-135m)"
+    )
+    parser = ToolParser(
+        prog=f"plugintrain {command}",
+        description=f"Write {what} as a Hugging Face directory, an llm.c model file or GGUF.",
+    )
+    parser.add_argument("source", metavar=source, help=what)
+    parser.add_argument(
+        "out", metavar="OUT", help="output: a directory for hf, a file for llmc and gguf"
+    )
+    parser.add_argument("--format", choices=_FORMATS, required=True, help="output format")
+    parser.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="weight type written (default: the source's; q8_0 for gguf only; llm.c takes"
+        " float32 or bfloat16)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace OUT if it exists (atomically)"
+    )
+    return parser
+
+
+def _problem(args: object, command: str) -> str | None:
+    """What is wrong before anything is read; None when nothing is."""
+    from plugintrain.data.assets import PRETRAINED_MODELS
+    from plugintrain.formats import check_output
+
+    source, out = str(args.source), Path(args.out)
+    if not Path(source).exists() and source not in PRETRAINED_MODELS:
+        return f"{source}: no such file or directory; pass a checkpoint or model path"
+    allowed = {"llmc": ("float32", "bfloat16"), "hf": _DTYPES[:3], "gguf": _DTYPES}
+    if args.dtype is not None and args.dtype not in allowed[args.format]:
+        return (
+            f"--dtype {args.dtype} cannot be written as --format {args.format}; choose one of"
+            f" {', '.join(allowed[args.format])}"
+        )
+    try:
+        check_output(out, args.overwrite)
+    except FileExistsError as error:
+        return str(error)
+    return None
+
+
+def _run(command: str, argv: Sequence[str]) -> int:
+    parser = _parser(command)
+    args = parser.parse_args(list(argv))
+    problem = _problem(args, command)
+    if problem is not None:
+        parser.error(problem)
+    from plugintrain.formats import convert, detect_format, resolve
+
+    if command == "export" and detect_format(resolve(args.source)) != "checkpoint":
+        parser.error(
+            f"{args.source} is not a checkpoint written by `plugintrain fit`; use"
+            f" `plugintrain convert {args.source} {args.out} --format {args.format}` for"
+            " weights in other formats"
+        )
+    try:
+        weights = convert(args.source, Path(args.out), args.format, args.dtype, args.overwrite)
+    except (ValueError, FileExistsError, FileNotFoundError) as error:
+        parser.error(str(error))
+    summary = {"source": str(args.source), "out": args.out, "format": args.format,
+               "model": weights.config.name, "tensors": len(weights.names())}  # fmt: skip
+    print(json.dumps(summary))
+    return 0
+
+
+def export_main(argv: Sequence[str]) -> int:
+    """Run ``plugintrain export``."""
+    return _run("export", argv)
+
+
+def convert_main(argv: Sequence[str]) -> int:
+    """Run ``plugintrain convert``."""
+    return _run("convert", argv)
