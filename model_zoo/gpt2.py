@@ -126,7 +126,26 @@ def hf_export_plan(config: TransformerConfig) -> Plan:
 
 
 def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
-    """Our config for a Hugging Face ``GPT2Config`` (as its ``config.json`` holds it)."""
+    """Our config for a Hugging Face ``GPT2Config`` (as its ``config.json`` holds it).
+
+    Raises:
+        ValueError: For a GPT-2 variant our model does not build (another activation,
+            unscaled or per-layer-scaled attention).
+    """
+    variants = {
+        "activation_function": (
+            hf.get("activation_function", "gelu_new"),
+            ("gelu_new", "gelu_pytorch_tanh"),
+        ),
+        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+        "scale_attn_by_inverse_layer_idx": (
+            hf.get("scale_attn_by_inverse_layer_idx", False),
+            (False,),
+        ),
+    }
+    bad = {key: value for key, (value, allowed) in variants.items() if value not in allowed}
+    if bad:
+        raise ValueError(f"{name}: plugintrain's GPT-2 does not build {bad}.")
     return TransformerConfig(
         name=name,
         family="gpt2",
@@ -156,8 +175,6 @@ def to_hf_config(config: TransformerConfig) -> dict[str, Any]:
         "activation_function": "gelu_new",
         "layer_norm_epsilon": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
-        "bos_token_id": config.vocab_size - 1,
-        "eos_token_id": config.vocab_size - 1,
     }
 
 

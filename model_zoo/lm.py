@@ -149,8 +149,9 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.weights = weights
         self.config = _resolve_config(config, weights)
-        if config is None and weights is not None:  # checkpoints rebuild it without the file
+        if weights is not None:  # checkpoints hold the architecture and need no weights file
             self.hparams["config"] = self.config
+            del self.hparams["weights"]
         self.optimizer = optimizer
         self.weight_decay = weight_decay
         self.warmup_steps = warmup_steps
@@ -174,26 +175,8 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
 
     def configure_model(self) -> None:
         """Build the transformer, once (Lightning may call this hook more than once)."""
-        if self.model is not None:
-            return
-        if self.weights is None:
-            self.model = Transformer(self.config)
-            return
-        # Pretrained weights: build on meta and allocate without drawing random ones. Under
-        # a strategy's meta-device context the strategy allocates, then calls init_weights.
-        device = torch.empty(()).device
-        with torch.device("meta"):
-            self.model = Transformer(self.config)
-        if device.type != "meta":
-            self.model.to_empty(device=device)
-            self.model.init_buffers()
-            self._load_weights()
-
-    def _load_weights(self) -> None:
-        """Copy the pretrained ``weights`` into the parts of the model this rank holds."""
-        from plugintrain.formats import load_into, open_weights
-
-        load_into(self.model, open_weights(self.weights))
+        if self.model is None:
+            self.model = _build(self.config, self.weights)
 
     @property
     def init_seed(self) -> int:
@@ -213,7 +196,7 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
             self.model.init_weights()
             return
         self.model.init_buffers()
-        self._load_weights()
+        _load_pretrained(self.model, self.config, self.weights)
 
     def tp_plan(self) -> dict[str, str]:
         """The family's tensor-parallel plan, keyed by paths under this module (``model.*``)."""
@@ -380,23 +363,49 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         return self.model(idx[:, start:], input_pos)[:, -1]
 
 
+def _build(config: TransformerConfig, weights: str | None) -> Transformer:
+    """The transformer, randomly initialized, or holding the pretrained ``weights``.
+
+    Pretrained: built on meta and allocated without drawing random values; under a
+    strategy's meta-device context the strategy allocates it, then calls ``init_weights``.
+    """
+    if weights is None:
+        return Transformer(config)
+    device = torch.empty(()).device
+    with torch.device("meta"):
+        model = Transformer(config)
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_buffers()
+        _load_pretrained(model, config, weights)
+    return model
+
+
+def _load_pretrained(model: Transformer, config: TransformerConfig, weights: str) -> None:
+    """Copy the pretrained ``weights`` into the parts of ``model`` this rank holds."""
+    from plugintrain.formats import load_into, open_weights
+
+    load_into(model, open_weights(weights), config)
+
+
 def _resolve_config(
     config: str | dict | TransformerConfig | None, weights: str | None
 ) -> TransformerConfig:
     """The architecture: ``config`` (a preset name, fields or a config), else the one the
     ``weights`` file describes, with the tokenizer that came with it."""
     if isinstance(config, dict):  # saved as its fields (PortableCheckpoints)
-        return TransformerConfig.from_dict(config)
-    if isinstance(config, str):
-        return TransformerConfig.from_name(config)
-    if config is not None:
-        return config
+        config = TransformerConfig.from_dict(config)
+    elif isinstance(config, str):
+        config = TransformerConfig.from_name(config)
     if weights is None:
-        return TransformerConfig.from_name("gpt2-debug")
+        return config or TransformerConfig.from_name("gpt2-debug")
     from plugintrain.data.assets import PRETRAINED_MODELS
-    from plugintrain.formats import open_weights
+    from plugintrain.formats import check_architecture, open_weights
 
     found = open_weights(weights)
+    if config is not None:
+        check_architecture(config, found)
+        return config
     tokenizer = weights if weights in PRETRAINED_MODELS else found.tokenizer
     return dataclasses.replace(found.config, tokenizer=tokenizer)
 

@@ -238,6 +238,8 @@ class PluginTrainCLI(LightningCLI):
         model_class = import_object(model.class_path)
         overrides = list(config.get("resume_overrides") or [])
         merged = reconcile(config.ckpt_path, saved, given, model_class, overrides)
+        if merged.get("weights") is not None:  # the checkpoint's replace them: never read
+            merged["weights"] = None
         taken = {k: v for k, v in merged.items() if v is not given.get(k)}
         if taken:
             update = {subcommand: {"model": {"class_path": model.class_path, "init_args": taken}}}

@@ -105,7 +105,7 @@ class HFTokenizer:
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_alphabet() -> dict[str, int]:
+def byte_alphabet() -> dict[str, int]:
     """GPT-2's printable stand-in character for each byte, inverted: char -> byte.
 
     Printable Latin-1 bytes stand for themselves; the others (controls, space, ...) are
@@ -118,7 +118,7 @@ def _byte_alphabet() -> dict[str, int]:
 
 def _byte_level_length(token: str) -> int:
     """Bytes a byte-level token spells (a character outside the alphabet as its UTF-8)."""
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     return sum(1 if c in alphabet else len(c.encode()) for c in token)
 
 

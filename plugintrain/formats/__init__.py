@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from plugintrain.checkpoint_files import PARTIAL_SUFFIX, publish, remove, sibling
+from plugintrain.checkpoint_files import PARTIAL_SUFFIX, fsync_tree, publish, remove, sibling
 from plugintrain.formats.base import (
     TensorReader,
     WeightFormatError,
     Weights,
+    check_architecture,
     load_into,
     model_shapes,
 )
@@ -34,9 +35,11 @@ __all__ = [
     "TensorReader",
     "WeightFormatError",
     "Weights",
+    "check_architecture",
     "check_output",
     "convert",
     "detect_format",
+    "dtype_problem",
     "load_into",
     "open_weights",
     "resolve",
@@ -49,14 +52,19 @@ def detect_format(path: Path) -> str:
     Raises:
         WeightFormatError: If ``path`` is none of them.
     """
-    from plugintrain.formats import checkpoint, gguf_file, hf, llmc
+    from plugintrain.data.assets import PRETRAINED_MODELS
+    from plugintrain.data.gguf_metadata import is_gguf
+    from plugintrain.formats import checkpoint, hf, llmc
 
     if not path.exists():
-        raise WeightFormatError(f"{path}: no such file or directory.")
+        raise WeightFormatError(
+            f"{path}: no such file or directory; pass the path of a model (a Hugging Face"
+            f" directory, .bin, .gguf or checkpoint) or one of {list(PRETRAINED_MODELS)}."
+        )
     for name, test in (
         ("hf", hf.is_hf_dir),
         ("checkpoint", checkpoint.is_checkpoint),
-        ("gguf", gguf_file.is_gguf_file),
+        ("gguf", is_gguf),
         ("llmc", llmc.is_llmc_file),
     ):
         if test(path):
@@ -169,6 +177,7 @@ def convert(
     except BaseException:
         remove(partial)
         raise
+    fsync_tree(partial)  # on disk before the rename makes it the output
     if out.is_dir() and not any(out.iterdir()):
         out.rmdir()
     publish(partial, out)
@@ -180,13 +189,22 @@ def _source_dtype(weights: Weights) -> str:
     return {v: k for k, v in DTYPES.items()}.get(first, "float32")
 
 
+OUTPUT_DTYPES = {"hf": tuple(DTYPES), "llmc": ("float32", "bfloat16"), "gguf": (*DTYPES, "q8_0")}
+"""The weight types each output format holds."""
+
+
+def dtype_problem(fmt: str, dtype: str) -> str | None:
+    """Why ``fmt`` cannot hold weights of ``dtype``; None when it can."""
+    if dtype in OUTPUT_DTYPES[fmt]:
+        return None
+    choices = ", ".join(OUTPUT_DTYPES[fmt])
+    return f"--dtype {dtype} cannot be written as --format {fmt}; choose one of {choices}"
+
+
 def _check_dtype(fmt: str, dtype: str) -> None:
-    allowed = {"hf": tuple(DTYPES), "llmc": ("float32", "bfloat16"),
-               "gguf": (*DTYPES, "q8_0")}[fmt]  # fmt: skip
-    if dtype not in allowed:
-        raise WeightFormatError(
-            f"--dtype {dtype} cannot be written as {fmt}; choose one of {allowed}."
-        )
+    problem = dtype_problem(fmt, dtype)
+    if problem is not None:
+        raise WeightFormatError(f"{problem}.")
 
 
 def _gguf_type(dtype: str) -> str:

@@ -102,6 +102,12 @@ class Weights:
         """Raise a one-line :class:`WeightFormatError` unless the file holds exactly the
         tensors of a model whose tensor shapes are ``expected`` (missing and unexpected
         tensors listed, a wrong shape named with both shapes)."""
+        unplanned = [name for name in expected if name not in self.plan]
+        if unplanned:
+            raise WeightFormatError(
+                f"{self.path}: holds no {_listed(unplanned)} of the model being built; leave"
+                " the model's config unset to build the architecture the file holds."
+            )
         held = set(self.reader.names())
         needed = {s for name in expected for s in self.plan[name].sources}
         missing = sorted(needed - held)
@@ -143,21 +149,45 @@ def model_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
 
 
 @torch.no_grad()
-def load_into(model: nn.Module, weights: Weights) -> None:
-    """Copy ``weights`` into ``model``: a whole :class:`Transformer`, a pipeline stage of one,
-    or one holding DTensor shards (tp, FSDP2). Each tensor this rank holds is read whole,
-    once, and only its local box is copied (a tied pair is one tensor, written once).
+def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | None = None) -> None:
+    """Copy ``weights`` into ``model``: a whole :class:`Transformer` of ``config`` (default:
+    the file's), a pipeline stage of one, or one holding DTensor shards (tp, FSDP2). Each
+    tensor this rank holds is read whole, once, and only its local box is copied (a tied
+    pair is one tensor, written once).
 
     Raises:
-        WeightFormatError: Before anything is copied, if the file is not this model's.
+        WeightFormatError: Before anything is copied, if the file does not hold exactly the
+            tensors of the whole model ``config`` describes.
         ValueError: On a shape mismatch (both shapes named).
     """
-    weights.check(model_shapes(weights.config))
+    weights.check(model_shapes(config or weights.config))
     seen: set[int] = set()
     for name, param in model.state_dict(keep_vars=True).items():
-        if id(param) in seen or name not in weights.plan:
+        if id(param) in seen:
             continue
         seen.add(id(param))
         local, box = local_box(param)
         full = weights.read(name)
         local.copy_(select(full, box, (0,) * full.dim()))
+
+
+ARCHITECTURE_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd",
+                       "ffn_dim", "bias", "norm", "mlp", "position", "rope_theta",
+                       "rope_scaling", "tie_embeddings")  # fmt: skip
+"""What must agree between a model's config and the weights loaded into it (the rest, such
+as ``block_size`` or ``dropout``, a run may choose)."""
+
+
+def check_architecture(model: TransformerConfig, weights: Weights) -> None:
+    """Raise a one-line :class:`WeightFormatError` naming each field in which ``model``
+    differs from the architecture the weights file holds."""
+    held = weights.config
+    differ = [f for f in ARCHITECTURE_FIELDS if getattr(model, f) != getattr(held, f)]
+    if differ:
+        both = ", ".join(
+            f"{f}={getattr(held, f)!r} (config: {getattr(model, f)!r})" for f in differ
+        )
+        raise WeightFormatError(
+            f"{weights.path}: holds a model with {both}; leave the model's config unset to"
+            " build the architecture the file holds."
+        )

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from plugintrain.checkpoint_files import first_line
-from plugintrain.data.gguf_metadata import GGUFTensorInfo, read_gguf_header
+from plugintrain.data.gguf_metadata import GGUFTensorInfo, is_gguf, read_gguf_header
 from plugintrain.formats.base import WeightFormatError
 from plugintrain.model_zoo import gpt2, llama3
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
@@ -54,14 +54,6 @@ _GPT2_BLOCK = {  # GGUF name -> (Hugging Face name, stored transposed in Hugging
     "ffn_up": ("mlp.c_fc", True),
     "ffn_down": ("mlp.c_proj", True),
 }
-
-
-def is_gguf_file(path: Path) -> bool:
-    """Whether ``path`` starts with the GGUF magic."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 def permute_for_gguf(weight: Tensor, heads: int) -> Tensor:
@@ -301,19 +293,19 @@ def _with_rope_scaling(
     return scaled
 
 
-def write_gguf(weights: Any, out: Path, kind: str, name: str | None = None) -> None:
+def write_gguf(weights: Any, out: Path, kind: str) -> None:
     """Write ``weights`` (our names) as a GGUF file for llama.cpp: architecture metadata,
     the tokenizer fields when the weights came from a GGUF with one, and each tensor in
     ``kind`` (:data:`WRITE_TYPES`; 1-D tensors stay F32), one tensor at a time."""
     config = weights.config
     arch = {"llama3": "llama", "gpt2": "gpt2"}[config.family]
     writer = gguf.GGUFWriter(out, arch)
-    writer.add_name(name or config.name)
+    writer.add_name(config.name)
     _add_architecture(writer, arch, config)
-    _copy_tokenizer_fields(writer, weights.tokenizer)
+    _add_tokenizer(writer, config, weights.tokenizer)
     tensors = _gguf_plan(weights, arch)
     for gguf_name, (shape, _) in tensors.items():
-        qtype = WRITE_TYPES[kind] if len(shape) > 1 else Q.F32
+        qtype = _tensor_type(shape, kind)
         dtype, stored = _stored(shape, qtype)
         nbytes = math.prod(stored) * dtype.itemsize
         raw = None if qtype in (Q.F32, Q.F16) else qtype
@@ -322,8 +314,18 @@ def write_gguf(weights: Any, out: Path, kind: str, name: str | None = None) -> N
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for shape, read in tensors.values():
-        writer.write_tensor_data(_encoded(read(), WRITE_TYPES[kind] if len(shape) > 1 else Q.F32))
+        writer.write_tensor_data(_encoded(read(), _tensor_type(shape, kind)))
     writer.close()
+
+
+def _tensor_type(shape: tuple[int, ...], kind: str) -> Q:
+    """The type a tensor is written in: ``kind`` for matrices, F32 for norms and biases (as
+    llama.cpp), F16 for a matrix whose rows are not whole blocks of a block type."""
+    if len(shape) < 2:
+        return Q.F32
+    qtype = WRITE_TYPES[kind]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else Q.F16
 
 
 _TORCH_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
@@ -368,19 +370,39 @@ def _add_architecture(writer: Any, arch: str, config: TransformerConfig) -> None
         writer.add_rope_scaling_orig_ctx_len(config.rope_scaling.original_max_position_embeddings)
 
 
-def _copy_tokenizer_fields(writer: Any, tokenizer: str | None) -> None:
-    """A GGUF source's tokenizer fields, as they were (llama.cpp needs them to run)."""
-    if tokenizer is None or not is_gguf_file(Path(tokenizer)):
-        return
-    for key, field in gguf.GGUFReader(tokenizer).fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        main = field.types[0]
-        if main == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, value, main, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, value, main)
+def _add_tokenizer(writer: Any, config: TransformerConfig, tokenizer: str | None) -> None:
+    """The vocabulary llama.cpp needs to run the model: a GGUF source's tokenizer fields as
+    they were, or GPT-2's / Llama 3's tokenizer spelled out when the model uses it. Types
+    follow llama.cpp: token ids uint32, token types int32, scores float32."""
+    from plugintrain.data import family_tokenizer, get_tokenizer
+    from plugintrain.data.assets import resolve_model_path
+    from plugintrain.data.gguf_vocabulary import gguf_vocabulary
+    from plugintrain.data.tokenizers import TOKENIZER_NAMES
+
+    spec = tokenizer or family_tokenizer(config.family)
+    if spec in TOKENIZER_NAMES:
+        tok = get_tokenizer(spec)
+        fields = gguf_vocabulary(tok) if tok.vocab_size == config.vocab_size else {}
+    elif spec is not None and is_gguf(resolve_model_path(spec)):
+        fields = read_gguf_header(resolve_model_path(spec))[0]
+    else:
+        fields = {}
+    for key, value in fields.items():
+        if key.startswith("tokenizer."):
+            _add_field(writer, key, value)
+
+
+def _add_field(writer: Any, key: str, value: Any) -> None:
+    kinds = gguf.GGUFValueType
+    if isinstance(value, np.ndarray):
+        item = {np.dtype("<i4"): kinds.INT32, np.dtype("<f4"): kinds.FLOAT32,
+                np.dtype("<u4"): kinds.UINT32}[value.dtype]  # fmt: skip
+        writer.add_key_value(key, value.tolist(), kinds.ARRAY, sub_type=item)
+    elif isinstance(value, list):
+        writer.add_key_value(key, value, kinds.ARRAY, sub_type=kinds.STRING)
+    else:
+        kind = {str: kinds.STRING, bool: kinds.BOOL, int: kinds.UINT32, float: kinds.FLOAT32}
+        writer.add_key_value(key, value, kind[type(value)])
 
 
 def _gguf_plan(weights: Any, arch: str) -> dict[str, tuple[tuple[int, ...], Any]]:

@@ -136,6 +136,7 @@ def write_hf(
     (with an index when there are several) and the tokenizer files when the weights came
     with a Hugging Face one. Tensors are built and written one at a time."""
     family = FAMILIES[weights.config.family]
+    tokenizer = _tokenizer(weights.tokenizer)  # resolved before anything is written
     plan = family.hf_export_plan(weights.config)
     shapes = {name: _planned_shape(weights, rule) for name, rule in plan.items()}
 
@@ -165,8 +166,10 @@ def write_hf(
         **family.to_hf_config(weights.config),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if tokenizer is not None:
+        hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     _write_json(out / CONFIG, hf_config)
-    _copy_tokenizer(weights.tokenizer, out)
+    _copy_tokenizer(weights.tokenizer, tokenizer, out)
 
 
 def _planned_shape(weights: Any, rule: Any) -> tuple[int, ...]:
@@ -189,13 +192,31 @@ def _split(shapes: dict[str, tuple[int, ...]], width: int, limit: int) -> list[l
     return shards
 
 
-def _copy_tokenizer(tokenizer: str | None, out: Path) -> None:
-    """The Hugging Face tokenizer files of the source directory, when it had them."""
-    if tokenizer is None or not Path(tokenizer).is_dir():
+def _tokenizer(spec: str | None) -> Any:
+    """The tokenizer the weights came with (None when they name none)."""
+    from plugintrain.data import get_tokenizer
+
+    return None if spec is None else get_tokenizer(spec)
+
+
+def _copy_tokenizer(spec: str | None, tokenizer: Any, out: Path) -> None:
+    """The tokenizer that came with the weights, for ``transformers``: a Hugging Face
+    directory's files as they are, or a GGUF's embedded vocabulary as ``tokenizer.json``
+    (GPT-2's and Llama 3's own tokenizers are left to their published files)."""
+    if spec is None or not hasattr(tokenizer, "backend"):
         return
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer) / name).is_file():
-            shutil.copyfile(Path(tokenizer) / name, out / name)
+    if Path(spec).is_dir():
+        for name in TOKENIZER_FILES:
+            if (Path(spec) / name).is_file():
+                shutil.copyfile(Path(spec) / name, out / name)
+        return
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    specials = {v: k for k, v in tokenizer.special_tokens.items()}
+    _write_json(
+        out / "tokenizer_config.json",
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials.get(tokenizer.bos_id),
+         "eos_token": specials.get(tokenizer.eos_id), "add_bos_token": False},
+    )  # fmt: skip
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from plugintrain.tools._args import ToolParser
 
-_FORMATS = ("hf", "llmc", "gguf")
-_DTYPES = ("float32", "bfloat16", "float16", "q8_0")
+_FORMATS = ("hf", "llmc", "gguf")  # plugintrain.formats.FORMATS, known before torch loads
+_DTYPES = ("float32", "bfloat16", "float16", "q8_0")  # each held by some format
 
 
 def _parser(command: str) -> ToolParser:
@@ -53,17 +53,13 @@ def _parser(command: str) -> ToolParser:
 def _problem(args: object, command: str) -> str | None:
     """What is wrong before anything is read; None when nothing is."""
     from plugintrain.data.assets import PRETRAINED_MODELS
-    from plugintrain.formats import check_output
+    from plugintrain.formats import check_output, dtype_problem
 
     source, out = str(args.source), Path(args.out)
     if not Path(source).exists() and source not in PRETRAINED_MODELS:
         return f"{source}: no such file or directory; pass a checkpoint or model path"
-    allowed = {"llmc": ("float32", "bfloat16"), "hf": _DTYPES[:3], "gguf": _DTYPES}
-    if args.dtype is not None and args.dtype not in allowed[args.format]:
-        return (
-            f"--dtype {args.dtype} cannot be written as --format {args.format}; choose one of"
-            f" {', '.join(allowed[args.format])}"
-        )
+    if args.dtype is not None and dtype_problem(args.format, args.dtype) is not None:
+        return dtype_problem(args.format, args.dtype)
     try:
         check_output(out, args.overwrite)
     except FileExistsError as error:

@@ -322,22 +322,23 @@ def _seen_windows(data_dir: Path) -> dict[str, Any]:
 
 
 # Pretrained weights (a Hugging Face Llama saved by transformers) loaded into sharded layouts.
-PRETRAINED_LAYOUTS = {
-    "tp2 x pp2": {"tensor_parallel": 2, "pipeline_parallel": 2},
-    "dp2 x tp2 +SP": {"tensor_parallel": 2, "sequence_parallel": True},
-    "dp4 FSDP2": {"zero_stage": 3},
+PRETRAINED_LAYOUTS = {  # name -> (HybridParallelStrategy options, head tied to the embedding)
+    "tp2 x pp2": ({"tensor_parallel": 2, "pipeline_parallel": 2}, False),
+    "dp2 x tp2 +SP": ({"tensor_parallel": 2, "sequence_parallel": True}, False),
+    "dp4 FSDP2": ({"zero_stage": 3}, False),
+    "dp2 x pp2, tied head": ({"pipeline_parallel": 2}, True),
 }
 
 
-def _hf_llama(root: Path) -> Path:
-    """A random Hugging Face Llama (GQA, untied head) saved by transformers."""
+def _hf_llama(root: Path, tied: bool) -> Path:
+    """A random Hugging Face Llama (GQA) saved by transformers."""
     import transformers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(root)
     return root
@@ -366,10 +367,11 @@ def _pretrained_val_loss(layout: dict[str, Any], hf_dir: Path) -> float:
 
 
 def _lightning_runs(
-    rank: int, world_size: int, cases: list[Case], data_dir: Path, hf_dir: Path
+    rank: int, world_size: int, cases: list[Case], data_dir: Path, hf_dirs: dict[bool, Path]
 ) -> dict:
     pretrained = {
-        n: _pretrained_val_loss(layout, hf_dir) for n, layout in PRETRAINED_LAYOUTS.items()
+        name: _pretrained_val_loss(layout, hf_dirs[tied])
+        for name, (layout, tied) in PRETRAINED_LAYOUTS.items()
     }
     return {
         "cases": _lightning_cases(rank, world_size, cases),
@@ -384,14 +386,14 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     parity = run_distributed(_parity_cases, WORLD, CASES)
     counts = run_distributed(_count_layer_collectives, WORLD)
     data_dir = _token_dir(tmp_path_factory.mktemp("tokens"))
-    hf_dir = _hf_llama(tmp_path_factory.mktemp("hf_llama"))
-    lightning = run_distributed(_lightning_runs, WORLD, LIGHTNING_CASES, data_dir, hf_dir)
+    hf_dirs = {tied: _hf_llama(tmp_path_factory.mktemp("hf_llama"), tied) for tied in (False, True)}
+    lightning = run_distributed(_lightning_runs, WORLD, LIGHTNING_CASES, data_dir, hf_dirs)
     return {
         "references": references,
         "parity": parity,
         "counts": counts,
         "lightning": lightning,
-        "hf_val_loss": _hf_val_loss(hf_dir),
+        "hf_val_loss": {tied: _hf_val_loss(path) for tied, path in hf_dirs.items()},
     }
 
 
@@ -399,8 +401,9 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_pretrained_weights_load_into_every_layout(world4: dict[str, Any], layout: str) -> None:
     """Each rank reads the Hugging Face file and keeps its shard (tp, FSDP2) or stage (pp):
     validation on 4 ranks gives transformers' loss on the same windows."""
+    tied = PRETRAINED_LAYOUTS[layout][1]
     for rank in world4["lightning"]:
-        assert rank["pretrained"][layout] == pytest.approx(world4["hf_val_loss"], rel=1e-5)
+        assert rank["pretrained"][layout] == pytest.approx(world4["hf_val_loss"][tied], rel=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

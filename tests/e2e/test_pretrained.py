@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 import transformers
 
 from plugintrain.cli import PluginTrainCLI, main
+from plugintrain.data import get_tokenizer
 from plugintrain.data.assets import resolve_model_path
 from plugintrain.data.token_bin import read_token_bin
 from plugintrain.tools.generate import load_causal_lm
@@ -84,3 +86,37 @@ def test_smollm2_exports_to_transformers_with_our_logits(tmp_path: Path) -> None
     tokens = torch.randint(0, ours.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, atol=1e-4, rtol=1e-4)
+    # The GGUF's tokenizer goes along as tokenizer.json, read by transformers as ours reads it.
+    text = "ROMEO.\nBut soft, what light through yonder window breaks?\nIt is the east."
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported.encode(text, add_special_tokens=False) == get_tokenizer("smollm2-135m").encode(
+        text
+    )
+
+
+def test_smollm2_recipe_fits_and_exports_to_gguf(shakespeare_smollm2: Path, tmp_path: Path) -> None:
+    run_cli(
+        "fit", "--config", str(RECIPE), f"--data.init_args.data_dir={shakespeare_smollm2}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=2",
+        "--data.init_args.seq_len=32", "--data.init_args.batch_size=2",
+        "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2",
+        "--checkpoint.every_n_train_steps=2", "--trainer.enable_progress_bar=false",
+        cwd=REPO,
+    )  # fmt: skip
+    last = tmp_path / "smollm2_shakespeare_cpu" / "checkpoints" / "last.ckpt"
+    out = tmp_path / "tuned.gguf"
+    assert main(["export", str(last), str(out), "--format", "gguf", "--dtype", "bfloat16"]) == 0
+    trained = torch.load(last, weights_only=True)["state_dict"]
+    reader = gguf.GGUFReader(out)  # the gguf package's own reader
+    fields = reader.fields
+    assert fields["general.architecture"].contents() == "llama"
+    assert fields["llama.block_count"].contents() == 30
+    assert len(fields["tokenizer.ggml.tokens"].contents()) == 49152  # the tokenizer went along
+    (norm,) = [t for t in reader.tensors if t.name == "blk.0.attn_norm.weight"]
+    assert torch.equal(
+        torch.from_numpy(np.array(norm.data)), trained["model.layers.0.attention_norm.weight"]
+    )
+    pretrained = load_causal_lm("smollm2-135m").model.layers["0"].attention_norm.weight
+    assert not torch.equal(
+        pretrained, trained["model.layers.0.attention_norm.weight"]
+    )  # it trained

@@ -230,6 +230,82 @@ def test_gguf_imports_the_tensors_transformers_loads(qtype: Q, tmp_path: Path) -
     torch.testing.assert_close(_logits(ours), _logits(reference), atol=1e-5, rtol=1e-5)
 
 
+def _write_gpt2_gguf(hf: transformers.GPT2LMHeadModel, path: Path) -> None:
+    """A gpt2-architecture GGUF as llama.cpp's converter names and lays it out: the fused
+    ``attn_qkv`` and every Conv1D weight as ``(out, in)``."""
+    config = hf.config
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_context_length(config.n_positions)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_feed_forward_length(4 * config.n_embd)
+    writer.add_head_count(config.n_head)
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    top = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm"}
+    block = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output",
+             "ln_2": "ffn_norm", "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}  # fmt: skip
+    for name, tensor in hf.state_dict().items():
+        module, _, kind = name.removeprefix("transformer.").rpartition(".")
+        if module == "lm_head":
+            continue  # tied
+        if module.startswith("h."):
+            _, layer, rest = module.split(".", 2)
+            target = f"blk.{layer}.{block[rest]}.{kind}"
+        else:
+            target = f"{top[module]}.{kind}"
+        array = tensor.numpy()
+        if kind == "weight" and module.endswith(("c_attn", "c_proj", "c_fc")):
+            array = array.T  # Conv1D's (in, out)
+        writer.add_tensor(target, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gpt2_gguf_imports_as_transformers_loads_it(tmp_path: Path) -> None:
+    hf = _gpt2()
+    _write_gpt2_gguf(hf, tmp_path / "g.gguf")
+    # The config is given: transformers' GGUF config mapping for gpt2 reads the vocabulary
+    # size from a tokenizer; its tensor loading and processing are what this checks.
+    reference = transformers.GPT2LMHeadModel.from_pretrained(
+        tmp_path, gguf_file="g.gguf", config=hf.config
+    ).eval()
+    ours = _imported(tmp_path / "g.gguf")
+    torch.testing.assert_close(_logits(ours), _logits(reference), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_logits(ours), _logits(hf), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_freqs_are_llama_cpps_llama3_factors() -> None:
+    """The divisors llama.cpp's convert_hf_to_gguf.py (LlamaModel, rope_type llama3) writes."""
+    from plugintrain.formats.gguf_file import llama3_rope_divisors
+    from plugintrain.model_zoo import TransformerConfig
+
+    config = TransformerConfig.from_name("llama3.2-1b")
+    scaling, dim = config.rope_scaling, config.head_dim
+    freqs = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(scaling.factor)
+        else:
+            smooth = (
+                scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor
+            ) / (scaling.high_freq_factor - scaling.low_freq_factor)
+            factors.append(1 / ((1 - smooth) / scaling.factor + smooth))
+    torch.testing.assert_close(
+        llama3_rope_divisors(config).double(),
+        torch.tensor(factors, dtype=torch.float64),
+        rtol=1e-4,
+        atol=0,
+    )
+
+
 def test_gguf_rope_scaling_round_trips(tmp_path: Path) -> None:
     hf = _llama(original_context=64)
     convert(_saved(hf, tmp_path / "hf"), tmp_path / "m.gguf", "gguf")
@@ -480,3 +556,91 @@ def test_gguf_export_keeps_the_embedded_tokenizer(tmp_path: Path) -> None:
     assert fields["tokenizer.ggml.tokens"].contents() == tokens
     assert fields["tokenizer.ggml.merges"].contents() == ["t 1", "t 2"]
     assert fields["tokenizer.ggml.bos_token_id"].contents() == 1
+
+
+# ---- CausalLM(weights=...) -----------------------------------------------------------
+
+
+def test_causal_lm_starts_from_weights_and_its_checkpoint_needs_no_file(tmp_path: Path) -> None:
+    import shutil
+
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from plugintrain.model_zoo import CausalLM
+    from plugintrain.tools.generate import load_causal_lm
+
+    hf = _llama()
+    source = _saved(hf, tmp_path / "hf")
+    module = CausalLM(weights=str(source), warmup_steps=0)
+    assert module.config.n_kv_head == 2 and module.config.tie_embeddings  # read from the file
+    module.configure_model()
+    torch.testing.assert_close(module(TOKENS), _logits(hf), atol=1e-5, rtol=1e-5)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    data = TensorDataset(TOKENS[:, :-1], TOKENS[:, 1:])
+    trainer.fit(module, DataLoader(data, batch_size=2))
+    trainer.save_checkpoint(tmp_path / "tuned.ckpt")
+    shutil.rmtree(source)  # the checkpoint holds the architecture itself
+    tuned = load_causal_lm(tmp_path / "tuned.ckpt")
+    _assert_bit_equal(tuned.model, module.model)
+    _assert_bit_equal(CausalLM.load_from_checkpoint(tmp_path / "tuned.ckpt").model, module.model)
+    assert not torch.equal(tuned.model.norm.weight, hf.model.norm.weight)  # it trained
+
+
+def test_generate_reads_every_format(tmp_path: Path) -> None:
+    from plugintrain.tools.generate import load_causal_lm
+
+    hf = _gpt2()
+    source = _saved(hf, tmp_path / "hf")
+    convert(source, tmp_path / "m.gguf", "gguf")
+    convert(source, tmp_path / "m.bin", "llmc")
+    for path in (source, tmp_path / "m.gguf", tmp_path / "m.bin"):
+        torch.testing.assert_close(
+            load_causal_lm(path).eval()(TOKENS), _logits(hf), atol=1e-5, rtol=1e-5
+        )
+
+
+def test_a_config_that_is_not_the_files_is_refused(tmp_path: Path) -> None:
+    from plugintrain.model_zoo import CausalLM, TransformerConfig
+
+    source = _saved(_gpt2(), tmp_path / "hf")
+    deeper = TransformerConfig.from_dict({**open_weights(source).config.__dict__, "n_layer": 4})
+    with pytest.raises(WeightFormatError, match=r"hf: holds a model with n_layer=2 \(config: 4\)"):
+        CausalLM(config=deeper, weights=str(source))
+    with pytest.raises(
+        WeightFormatError, match=r"holds no 32 \(layers\.2\..*leave the model's config"
+    ):
+        load_into(Transformer(deeper), open_weights(source), deeper)
+    shorter = TransformerConfig.from_dict({**deeper.__dict__, "n_layer": 2, "block_size": 32})
+    CausalLM(config=shorter, weights=str(source))  # a run may choose its context length
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama3"])
+def test_gguf_export_spells_out_our_tokenizers(family: str, tmp_path: Path) -> None:
+    """A model trained on GPT-2 or Llama 3 tokens exports with that vocabulary, so llama.cpp
+    can run it: rebuilt from the GGUF alone, it tokenizes as tiktoken does."""
+    from plugintrain.data import get_tokenizer
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        hf = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=50257, n_positions=32, n_embd=16, n_layer=1, n_head=2
+            )
+        )
+    else:
+        hf = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(vocab_size=128256, hidden_size=16, intermediate_size=32,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, max_position_embeddings=32,
+                                     tie_word_embeddings=True)
+        )  # fmt: skip
+    convert(_saved(hf, tmp_path / "hf"), tmp_path / "m.gguf", "gguf")
+    text = "ROMEO. But soft! What light through yonder window breaks? 1599, 'tis the east.\n\n"
+    expected = get_tokenizer(family)
+    rebuilt = get_tokenizer(str(tmp_path / "m.gguf"))
+    assert rebuilt.encode(text) == expected.encode(text)
+    assert (rebuilt.bos_id, rebuilt.eos_id) == (expected.bos_id, expected.eos_id)
