@@ -185,8 +185,8 @@ def convert(
 
 
 def _source_dtype(weights: Weights) -> str:
-    first = weights.read(weights.names()[0]).dtype
-    return {v: k for k, v in DTYPES.items()}.get(first, "float32")
+    first = weights.plan[weights.names()[0]].sources[0]
+    return {v: k for k, v in DTYPES.items()}.get(weights.reader.dtype(first), "float32")
 
 
 OUTPUT_DTYPES = {"hf": tuple(DTYPES), "llmc": ("float32", "bfloat16"), "gguf": (*DTYPES, "q8_0")}

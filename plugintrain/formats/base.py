@@ -53,6 +53,10 @@ class TensorReader(Protocol):
         """The shape of tensor ``name`` (without reading it)."""
         ...
 
+    def dtype(self, name: str) -> torch.dtype:
+        """The type :meth:`read` returns tensor ``name`` in (without reading it)."""
+        ...
+
     def read(self, name: str) -> Tensor:
         """Tensor ``name`` on the CPU (a memory-mapped view where the format allows)."""
         ...

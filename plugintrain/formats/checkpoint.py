@@ -83,6 +83,10 @@ class CheckpointReader:
         """Shape of ``name``."""
         return self._shapes[name][0]
 
+    def dtype(self, name: str) -> torch.dtype:
+        """Type of ``name``."""
+        return self._shapes[name][1]
+
     def read(self, name: str) -> Tensor:
         """Tensor ``name`` (only its own bytes are read)."""
         if self._file is not None:

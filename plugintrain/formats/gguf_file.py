@@ -242,6 +242,10 @@ class GGUFFileReader:
         """Hugging Face tensor names."""
         return list(self._names)
 
+    def dtype(self, name: str) -> torch.dtype:
+        """fp32: every type is dequantized to it."""
+        return torch.float32
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of ``name`` in Hugging Face's layout."""
         link = self._names[name]

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from plugintrain.checkpoint_files import load_torch_file
 from plugintrain.formats.base import FAMILIES, WeightFormatError
-from plugintrain.formats.safetensors_io import write_safetensors
+from plugintrain.formats.safetensors_io import DTYPES, write_safetensors
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -105,6 +105,14 @@ class HFReader:
         """The name as stored (a ``GPT2Model`` file has no ``transformer.`` prefix)."""
         keys = self._bin if file.name == TORCH_BIN else self._handle(file).keys()
         return name if name in keys else name.removeprefix("transformer.")
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Type of tensor ``name`` from the file's header."""
+        file = self._files[name]
+        if file.name == TORCH_BIN:
+            return self._bin[self._raw_name(file, name)].dtype
+        stored = self._handle(file).get_slice(self._raw_name(file, name)).get_dtype()
+        return {code: dtype for dtype, code in DTYPES.items()}[stored]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name`` from the file's header."""

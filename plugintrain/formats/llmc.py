@@ -83,7 +83,7 @@ class LlmcReader:
                 " version 3 (fp32) and 5 (bf16): re-export it with llm.c's train_gpt2.py."
             )
         max_t, vocab, layers, heads, channels, padded = (int(x) for x in header[2:8])
-        self.dtype = VERSIONS[version]
+        self.stored_dtype = VERSIONS[version]
         self.config = gpt2.from_hf_config(
             {"vocab_size": vocab, "n_positions": max_t, "n_layer": layers, "n_head": heads,
              "n_embd": channels, "tie_word_embeddings": True},
@@ -97,7 +97,7 @@ class LlmcReader:
         shapes = {"wte": (padded, c), "wpe": (self.config.block_size, c)}
         shapes |= {kind: (layers, *shape(c)) for kind, _, shape, _ in _LAYER_KINDS}
         shapes |= {"lnfw": (c,), "lnfb": (c,)}
-        width = torch.empty((), dtype=self.dtype).element_size()
+        width = torch.empty((), dtype=self.stored_dtype).element_size()
         needed = HEADER_INTS * 4 + sum(math.prod(s) for s in shapes.values()) * width
         size = self.path.stat().st_size
         if size < needed:
@@ -134,6 +134,10 @@ class LlmcReader:
     def names(self) -> list[str]:
         """Hugging Face GPT-2 tensor names."""
         return list(self._tensors)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """fp32 (version 3) or bf16 (version 5)."""
+        return self._tensors[name].dtype
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of ``name``."""
