@@ -20,59 +20,55 @@ from plugintrain.portable_checkpoints import PortableCheckpoints
 _TP_PLANS = {"gpt2": gpt2.tp_plan, "llama3": llama3.tp_plan}
 
 
-class Perplexity(Metric):
-    """Token-level perplexity from mean losses, synced across ranks by summing NLL and counts.
+class _SummedNLL(Metric):
+    """Total NLL (nats) and a total to divide it by, synced across ranks by summing both."""
+
+    full_state_update = False
+    higher_is_better = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state(
+            "nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
+        )
+        self.add_state("total", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
+
+    def _add(self, loss: torch.Tensor, num_tokens: int, total: int | torch.Tensor) -> None:
+        self.nll_sum += loss.detach().double() * num_tokens
+        self.total += total
+
+
+class Perplexity(_SummedNLL):
+    """Token-level perplexity from mean losses.
 
     Takes the loss already computed for the step, so the vocabulary softmax runs once.
     """
 
-    full_state_update = False
-    higher_is_better = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state(
-            "nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
-        )
-        self.add_state("count", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
-
     def update(self, loss: torch.Tensor, num_tokens: int) -> None:
         """Add a batch whose mean token NLL is ``loss`` over ``num_tokens`` tokens."""
-        self.nll_sum += loss.detach().double() * num_tokens
-        self.count += num_tokens
+        self._add(loss, num_tokens, num_tokens)
 
     def compute(self) -> torch.Tensor:
         """``exp(total NLL / total tokens)``."""
-        return torch.exp(self.nll_sum / self.count)
+        return torch.exp(self.nll_sum / self.total)
 
 
-class BitsPerByte(Metric):
+class BitsPerByte(_SummedNLL):
     """Bits per UTF-8 byte of text: total NLL (nats) / (ln 2 x total bytes of the targets).
 
     Unlike loss per token it does not depend on the tokenizer, so models with different
     vocabularies compare on it. Every target's NLL counts, also a special token's, which
-    spells no bytes. Synced across ranks by summing NLL and byte counts.
+    spells no bytes.
     """
-
-    full_state_update = False
-    higher_is_better = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state(
-            "nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
-        )
-        self.add_state("byte_sum", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
     def update(self, loss: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor) -> None:
         """Add a batch whose mean token NLL is ``loss`` over ``targets`` (ids, any shape);
         ``token_bytes[i]`` is the number of bytes id ``i`` spells."""
-        self.nll_sum += loss.detach().double() * targets.numel()
-        self.byte_sum += token_bytes[targets].sum()
+        self._add(loss, targets.numel(), token_bytes[targets].sum())
 
     def compute(self) -> torch.Tensor:
         """``total NLL / (ln 2 x total bytes)``."""
-        return self.nll_sum / (math.log(2) * self.byte_sum)
+        return self.nll_sum / (math.log(2) * self.total)
 
 
 class EvalMetrics(torch.nn.Module):

@@ -430,6 +430,15 @@ def test_truncated_files_are_named(fmt: str, tmp_path: Path) -> None:
         _imported(out)
 
 
+def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    """Every metadata field of ``reader`` but the ones the writer sets itself."""
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            main_type = field.types[0]
+            sub = field.types[-1] if main_type == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), main_type, sub_type=sub)
+
+
 def test_unknown_gguf_architecture_and_type(tmp_path: Path) -> None:
     writer = gguf.GGUFWriter(tmp_path / "falcon.gguf", "falcon")
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
@@ -442,11 +451,7 @@ def test_unknown_gguf_architecture_and_type(tmp_path: Path) -> None:
     _write_llama_gguf(hf, tmp_path / "iq.gguf", Q.F32)
     reader = gguf.GGUFReader(tmp_path / "iq.gguf")
     writer = gguf.GGUFWriter(tmp_path / "iq4.gguf", "llama")
-    for key, field in reader.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture")):
-            main_type = field.types[0]
-            sub = field.types[-1] if main_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), main_type, sub_type=sub)
+    _copy_metadata(reader, writer)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
         if tensor.name == "blk.0.ffn_up.weight":
@@ -537,11 +542,7 @@ def test_gguf_export_keeps_the_embedded_tokenizer(tmp_path: Path) -> None:
     _write_llama_gguf(hf, tmp_path / "plain.gguf", Q.F32)
     reader = gguf.GGUFReader(tmp_path / "plain.gguf")
     writer = gguf.GGUFWriter(tmp_path / "tok.gguf", "llama")
-    for key, field in reader.fields.items():
-        if not key.startswith(("GGUF.", "general.architecture")):
-            main_type = field.types[0]
-            sub = field.types[-1] if main_type == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), main_type, sub_type=sub)
+    _copy_metadata(reader, writer)
     tokens = [f"t{i}" for i in range(VOCAB)]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)

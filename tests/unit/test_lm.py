@@ -115,12 +115,12 @@ def test_materializing_a_meta_built_model_keeps_its_metrics():
     lm = CausalLM(_config("llama3-debug"))
     with torch.device("meta"):
         lm.configure_model()
-    states = [lm.eval_metrics["val"].ppl.count, lm.eval_metrics["val"].bpb.byte_sum]
+    states = [lm.eval_metrics["val"].ppl.total, lm.eval_metrics["val"].bpb.total]
     materialize(lm, torch.device("cpu"))
     assert not any(t.is_meta for t in [*lm.parameters(), *lm.buffers()])
     assert lm.model.output.weight is lm.model.tok_embeddings.weight
     metrics = lm.eval_metrics["val"]
-    now = [metrics.ppl.count, metrics.bpb.byte_sum]
+    now = [metrics.ppl.total, metrics.bpb.total]
     assert all(a is b for a, b in zip(states, now, strict=True))  # not replaced by garbage
     metrics.token_bytes = torch.ones(64, dtype=torch.int32)
     logged = metrics.update(torch.tensor(2.0), torch.zeros(4, 8, dtype=torch.long))
