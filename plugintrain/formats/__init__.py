@@ -97,8 +97,8 @@ def open_weights(spec: str | Path) -> Weights:
 
 @functools.lru_cache(maxsize=4)
 def _foreign_reader(kind: str, path: Path, mtime_ns: int) -> TensorReader:
-    """One reader per file version and process (a GGUF's header, with its vocabulary, takes
-    seconds to parse; the model is opened for its config, then for its weights)."""
+    """One reader per file version and process: a model is opened for its config, then for
+    its weights, and a reader's memory maps and parsed header serve both."""
     from plugintrain.formats import gguf_file, hf, llmc
 
     readers = {"hf": hf.HFReader, "gguf": gguf_file.GGUFFileReader, "llmc": llmc.LlmcReader}

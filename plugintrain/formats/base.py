@@ -178,8 +178,9 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
 ARCHITECTURE_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd",
                        "ffn_dim", "bias", "norm", "mlp", "position", "rope_theta",
                        "rope_scaling", "tie_embeddings")  # fmt: skip
-"""What must agree between a model's config and the weights loaded into it (the rest, such
-as ``block_size`` or ``dropout``, a run may choose)."""
+"""What must agree between a model's config and the weights loaded into it. The rest a run
+may choose: ``dropout``, a RoPE model's ``block_size`` (a learned position table's size is
+checked as a shape when the weights load)."""
 
 
 def check_architecture(model: TransformerConfig, weights: Weights) -> None:

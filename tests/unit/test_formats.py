@@ -615,8 +615,13 @@ def test_a_config_that_is_not_the_files_is_refused(tmp_path: Path) -> None:
         WeightFormatError, match=r"holds no 32 \(layers\.2\..*leave the model's config"
     ):
         load_into(Transformer(deeper), open_weights(source), deeper)
-    shorter = TransformerConfig.from_dict({**deeper.__dict__, "n_layer": 2, "block_size": 32})
-    CausalLM(config=shorter, weights=str(source))  # a run may choose its context length
+    # A run may choose what the weights do not fix, such as a RoPE model's context length.
+    hf = _llama()
+    llama = _saved(hf, tmp_path / "llama")
+    shorter = TransformerConfig.from_dict({**open_weights(llama).config.__dict__, "block_size": 32})
+    module = CausalLM(config=shorter, weights=str(llama))
+    module.configure_model()
+    torch.testing.assert_close(module(TOKENS), _logits(hf), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama3"])
