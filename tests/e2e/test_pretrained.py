@@ -62,13 +62,15 @@ def _transformers_bpb(data_dir: Path, windows: int, seq_len: int) -> float:
     return float(nll) / math.log(2) / float(byte_counts[y].sum())
 
 
-def test_smollm2_validates_in_bits_per_byte_as_transformers(shakespeare_smollm2: Path) -> None:
+def test_smollm2_validates_in_bits_per_byte_as_transformers(
+    shakespeare_smollm2: Path, tmp_path: Path
+) -> None:
     cli = PluginTrainCLI(
         args=[
             "validate", "--config", str(RECIPE),
             f"--data.init_args.data_dir={shakespeare_smollm2}",
             "--trainer.limit_val_batches=2", "--trainer.logger=false",
-            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
         ],
     )  # fmt: skip
     ours = float(cli.trainer.callback_metrics["val_bpb"])
