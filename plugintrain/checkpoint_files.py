@@ -22,11 +22,13 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path, PurePath
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 PARTIAL_SUFFIX = ".partial"
 RETIRED_SUFFIX = ".retired"
@@ -261,6 +263,21 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def consecutive_groups(items: Iterable[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """``items`` in order, cut into groups of at most ``limit`` bytes by ``size(item)`` (an
+    item larger than ``limit`` gets a group of its own): a checkpoint's shard files."""
+    groups: list[list[T]] = [[]]
+    total = 0
+    for item in items:
+        nbytes = size(item)
+        if groups[-1] and total + nbytes > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(item)
+        total += nbytes
+    return groups
 
 
 def fsync_tree(path: Path) -> None:

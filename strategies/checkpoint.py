@@ -83,6 +83,7 @@ from plugintrain.checkpoint_files import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
     check_shard_files,
+    consecutive_groups,
     first_line,
     load_torch_file,
     publish,
@@ -221,7 +222,7 @@ class BoundedFileWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix, results = plan.storage_data.prefix, []
-        for index, items in enumerate(_by_size(plan.items, self.file_bytes)):
+        for index, items in enumerate(consecutive_groups(plan.items, _nbytes, self.file_bytes)):
             storage = dataclasses.replace(plan.storage_data, prefix=f"{prefix}{index}_")
             part = dataclasses.replace(plan, items=items, storage_data=storage)
             results += super().write_data(part, planner).wait()
@@ -230,19 +231,9 @@ class BoundedFileWriter(FileSystemWriter):
         return done
 
 
-def _by_size(items: list[WriteItem], limit: int) -> list[list[WriteItem]]:
-    """Consecutive groups of ``items`` of at most ``limit`` bytes (a larger item alone)."""
-    groups: list[list[WriteItem]] = [[]]
-    size = 0
-    for item in items:
-        data = item.tensor_data
-        nbytes = 0 if data is None else math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
-        if groups[-1] and size + nbytes > limit:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += nbytes
-    return groups
+def _nbytes(item: WriteItem) -> int:
+    data = item.tensor_data
+    return 0 if data is None else math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
 class ChunkByChunkReader(FileSystemReader):

@@ -10,7 +10,6 @@ tensor at a time and keeps only its own box of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -130,11 +129,6 @@ class Weights:
                 sources = ", ".join(self.plan[name].sources)
                 label = name if sources == name else f"{sources} (as {name})"
                 raise shape_mismatch(self.path, label, self.shape(name), shape)
-
-    def items(self) -> Iterator[tuple[str, Tensor]]:
-        """``(name, tensor)`` for every tensor, read one at a time."""
-        for name in self.plan:
-            yield name, self.read(name)
 
 
 def _listed(names: list[str], limit: int = 6) -> str:

@@ -8,6 +8,7 @@ Legacy ``pytorch_model.bin`` weights are read with ``torch.load(weights_only=Tru
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from plugintrain.checkpoint_files import load_torch_file
+from plugintrain.checkpoint_files import consecutive_groups, load_torch_file
 from plugintrain.formats.base import FAMILIES, WeightFormatError
 from plugintrain.formats.safetensors_io import DTYPES, write_safetensors
 
@@ -152,8 +153,10 @@ def write_hf(
         rule = plan[name]
         return rule.build(*(weights.read(source) for source in rule.sources))
 
+    width = torch.empty((), dtype=dtype).element_size()
+    nbytes = {name: math.prod(shape) * width for name, shape in shapes.items()}
     out.mkdir(parents=True)
-    shards = _split(shapes, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
+    shards = consecutive_groups(shapes, nbytes.__getitem__, max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(shards):
         file = (
@@ -165,11 +168,8 @@ def write_hf(
             write_safetensors(stream, ((n, shapes[n]) for n in names), dtype, read)
         weight_map.update(dict.fromkeys(names, file))
     if len(shards) > 1:
-        total = (
-            sum(torch.Size(s).numel() for s in shapes.values())
-            * torch.empty((), dtype=dtype).element_size()
-        )
-        _write_json(out / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        metadata = {"total_size": sum(nbytes.values())}
+        _write_json(out / INDEX, {"metadata": metadata, "weight_map": weight_map})
     hf_config = {
         **family.to_hf_config(weights.config),
         "torch_dtype": str(dtype).removeprefix("torch."),
@@ -183,21 +183,6 @@ def write_hf(
 def _planned_shape(weights: Any, rule: Any) -> tuple[int, ...]:
     sources = (torch.empty(weights.shape(s), device="meta") for s in rule.sources)
     return tuple(rule.build(*sources).shape)
-
-
-def _split(shapes: dict[str, tuple[int, ...]], width: int, limit: int) -> list[list[str]]:
-    """Tensor names in order, cut into shards of at most ``limit`` bytes (a larger tensor
-    gets a shard of its own)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = torch.Size(shape).numel() * width
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
 
 
 def _tokenizer(spec: str | None) -> Any:

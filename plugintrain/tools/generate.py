@@ -118,19 +118,15 @@ def load_causal_lm(path: str | Path) -> CausalLM:
     beyond tensors and plain data: a checkpoint's model is rebuilt from its saved
     hyperparameters (JSON beside a directory's shards).
     """
-    from plugintrain.formats import detect_format, load_into, open_weights
+    from plugintrain.formats import detect_format, open_weights
     from plugintrain.formats.checkpoint import module_hparams
     from plugintrain.model_zoo import CausalLM
 
-    if str(path) in PRETRAINED_MODELS or detect_format(Path(path)) != "checkpoint":
-        module = CausalLM(weights=str(path))
-        module.configure_model()
-        return module
-    weights = open_weights(path)
-    hparams = module_hparams(weights.reader.hparams)
-    module = CausalLM(**{**hparams, "config": weights.config})
+    hparams = {}
+    if str(path) not in PRETRAINED_MODELS and detect_format(Path(path)) == "checkpoint":
+        hparams = module_hparams(open_weights(path).reader.hparams)  # its options, its config
+    module = CausalLM(**{**hparams, "weights": str(path)})  # built on meta, then loaded
     module.configure_model()
-    load_into(module.model, weights)
     return module
 
 
