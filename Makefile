@@ -6,8 +6,13 @@ BIN := $(VENV)/bin
 # The CPU build that the reference machines carry on disk. GPU users: install your CUDA
 # build of torch into $(VENV) first, or run `make setup TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
-RECIPE ?= recipes/gpt2_debug_shakespeare_cpu.yaml
-TOKENIZER ?= gpt2
+# The main job: a LoRA fine-tune of SmolLM2-135M on Shakespeare, then a sample from it.
+# From scratch instead: make train RECIPE=recipes/gpt2_debug_shakespeare_cpu.yaml TOKENIZER=gpt2
+RECIPE ?= recipes/smollm2_lora_shakespeare_cpu.yaml
+TOKENIZER ?= smollm2-135m
+PROMPT ?= ROMEO:
+# Recipes log (and checkpoint) under runs/<recipe file name>.
+CHECKPOINTS = runs/$(basename $(notdir $(RECIPE)))/checkpoints
 
 .PHONY: setup train test lint format bench clean
 
@@ -23,6 +28,7 @@ $(VENV)/.setup-done: pyproject.toml
 train: setup
 	$(BIN)/plugintrain prepare shakespeare --tokenizer $(TOKENIZER)
 	$(BIN)/plugintrain fit --config $(RECIPE)
+	$(BIN)/plugintrain generate --weights $(CHECKPOINTS) --prompt "$(PROMPT)" --max_new_tokens 60
 
 lint: setup
 	$(BIN)/ruff check .

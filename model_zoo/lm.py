@@ -126,7 +126,8 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
             llm.c ``.bin``, a ``.gguf`` file, a plugintrain checkpoint, or a pretrained name
             (``smollm2-135m``). They are loaded into whatever layout the strategy builds
             (each rank reads one tensor at a time and keeps its own part); a checkpoint
-            resumed with ``--ckpt_path`` replaces them.
+            resumed with ``--ckpt_path`` replaces them (a LoRA run's checkpoint holds only
+            the adapters: the base still comes from here).
     """
 
     def __init__(
@@ -157,6 +158,9 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         # Training FLOPs of the latest batch on this device, for Lightning's ThroughputMonitor
         # (MFU); set by training_step.
         self.flops_per_batch = 0
+        self.flops_per_token_adjustment = 0
+        """Added to the config's training FLOPs per token: the LoRA callback sets it to what
+        its steps add and skip (the adapters' matmuls; no weight gradients of frozen ones)."""
         self.eval_metrics = torch.nn.ModuleDict({"val": EvalMetrics(), "test": EvalMetrics()})
 
     @property
@@ -241,7 +245,8 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         """
         x, y = batch
         if stage == "train":
-            self.flops_per_batch = self.config.flops_per_token(x.size(1)) * x.numel()
+            per_token = self.config.flops_per_token(x.size(1)) + self.flops_per_token_adjustment
+            self.flops_per_batch = per_token * x.numel()
             self.log("train_loss", loss, prog_bar=True)
             return
         self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)

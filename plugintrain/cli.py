@@ -29,6 +29,8 @@ from typing_extensions import override
 
 import plugintrain.strategies  # noqa: F401  (registers zero1/zero2/... with Lightning)
 from plugintrain.callbacks import CountedFlopsSummary, StepProgressBar, TokenThroughputMonitor
+from plugintrain.callbacks.lora import RECORD_KEY as LORA_RECORD
+from plugintrain.callbacks.lora import resume_base
 from plugintrain.cli_usage import (
     ConfigError,
     check_strategy_name,
@@ -38,7 +40,13 @@ from plugintrain.cli_usage import (
 )
 from plugintrain.data import family_tokenizer
 from plugintrain.precision_plugins import canonical_precision_name, precision_plugin_from_name
-from plugintrain.resume import checkpoint_hparams, reconcile, resolve_ckpt_path
+from plugintrain.resume import (
+    checkpoint_entry,
+    checkpoint_hparams,
+    launching_rank,
+    reconcile,
+    resolve_ckpt_path,
+)
 from plugintrain.strategies.checkpoint_io import SafeCheckpointIO
 
 # Config dataclasses document their fields with attribute docstrings; show them in --help.
@@ -238,7 +246,13 @@ class PluginTrainCLI(LightningCLI):
         model_class = import_object(model.class_path)
         overrides = list(config.get("resume_overrides") or [])
         merged = reconcile(config.ckpt_path, saved, given, model_class, overrides)
-        if merged.get("weights") is not None:  # the checkpoint's replace them: never read
+        record = checkpoint_entry(config.ckpt_path, LORA_RECORD)
+        if record is not None:  # LoRA: the base weights come from their file
+            callbacks = config.trainer.get("callbacks")
+            merged["weights"] = resume_base(
+                config.ckpt_path, record, merged.get("weights"), callbacks, launching_rank()
+            )
+        elif merged.get("weights") is not None:  # the checkpoint's replace them: never read
             merged["weights"] = None
         taken = {k: v for k, v in merged.items() if v is not given.get(k)}
         if taken:
@@ -254,10 +268,15 @@ class PluginTrainCLI(LightningCLI):
     @override
     def after_instantiate_classes(self) -> None:
         # Strategies that can check the model against their layout (hybrid: heads, vocab,
-        # seq_len divisible by tp) do it here, before any process is launched.
+        # seq_len divisible by tp) and callbacks that can check it (LoRA) do it here,
+        # before any process is launched.
         check_model = getattr(self.trainer.strategy, "check_model", None)
         if callable(check_model):
             check_model(self.model, self.datamodule)
+        for callback in self.trainer.callbacks:  # LoRA: its globs against the model's modules
+            check = getattr(callback, "check_model", None)
+            if callable(check):
+                check(self.model)
         super().after_instantiate_classes()
 
     @override

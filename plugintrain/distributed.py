@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -187,6 +188,46 @@ class ShardFirstModule(Protocol):
         local shard only) to its part of the weights one process would build from
         ``init_seed`` (see :func:`plugintrain.initialization.seeded_normal_`)."""
         ...
+
+
+@runtime_checkable
+class TensorParallelExtras(Protocol):
+    """A Linear layer holding parameters besides ``weight`` and ``bias`` (a LoRA adapter):
+    tensor parallelism splits the weight by the plan's style, and these as declared."""
+
+    def tp_placements(self, kind: str) -> dict[str, int | None]:
+        """Parameter name -> the dim it is split along when the layer is split ``kind``
+        (``colwise`` or ``rowwise``), None for replicated."""
+        ...
+
+
+class CallsModelBuiltHooks:
+    """Strategy mixin (put first among the bases): call the callbacks' ``on_model_built``
+    as Lightning leaves ``model_sharded_context``, which it enters around
+    ``configure_model`` inside ``tensor_init_context``."""
+
+    calls_on_model_built = True
+
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        with super().model_sharded_context():  # type: ignore[misc]
+            yield
+        call_model_built_hooks(self.lightning_module.trainer)
+
+
+def call_model_built_hooks(trainer: Any) -> None:
+    """Call ``on_model_built(trainer, pl_module)`` on every callback that defines it.
+
+    Lightning 2.6 has no callback hook between building the model and sharding it or
+    building optimizers (Lightning#19658); plugintrain's strategies call this one right
+    after the module's ``configure_model``, inside the same device and dtype context (the
+    meta device for shard-first models), and mark themselves ``calls_on_model_built``.
+    """
+    module = trainer.lightning_module
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_model_built", None)
+        if callable(hook):
+            hook(trainer, module)
 
 
 def contract_members(protocol: type) -> list[str]:

@@ -18,6 +18,7 @@ both places), ``seed`` is drawn once per model from the global generator, so
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -55,6 +56,23 @@ def seeded_normal_(param: Tensor, std: float, seed: int, key: str, mean: float =
 
 
 @torch.no_grad()
+def seeded_uniform_(param: Tensor, bound: float, seed: int, key: str) -> Tensor:
+    """Fill ``param`` (a tensor, or a DTensor's local shard) with uniform(-``bound``,
+    ``bound``) values that depend only on ``seed``, ``key`` and position, like
+    :func:`seeded_normal_` (PyTorch's Kaiming-uniform Linear init is ``bound = 1/sqrt(in)``)."""
+    local, box = local_box(param)
+    _fill_box_(
+        local,
+        box,
+        tuple(param.shape),
+        seed,
+        key,
+        lambda v, g: v.uniform_(-bound, bound, generator=g),
+    )
+    return param
+
+
+@torch.no_grad()
 def normal_box_(
     local: Tensor,
     box: Box,
@@ -66,6 +84,19 @@ def normal_box_(
 ) -> Tensor:
     """Fill ``local``, the part of a tensor of ``shape`` at ``box``, with its values of
     :func:`seeded_normal_`, drawing only the chunks that overlap ``box``."""
+    return _fill_box_(local, box, shape, seed, key, lambda v, g: v.normal_(mean, std, generator=g))
+
+
+def _fill_box_(
+    local: Tensor,
+    box: Box,
+    shape: tuple[int, ...],
+    seed: int,
+    key: str,
+    draw: Callable[[Tensor, torch.Generator], Tensor],
+) -> Tensor:
+    """Fill ``local`` (the part of a tensor of ``shape`` at ``box``) chunk by chunk, each
+    chunk's fp32 values drawn in place by ``draw(values, generator)``."""
     if local.numel() == 0:
         return local
     first, last = _flat_extent(shape, box)
@@ -74,7 +105,7 @@ def normal_box_(
         length = min(CHUNK, _numel(shape) - start)
         device = local.device if local.device.type == "cuda" else torch.device("cpu")
         generator = torch.Generator(device).manual_seed(chunk_seed(seed, key, chunk))
-        values = torch.empty(length, device=device).normal_(mean, std, generator=generator)
+        values = draw(torch.empty(length, device=device), generator)
         position = 0
         for piece in flat_boxes(shape, start, length):
             size = _numel(piece[1])

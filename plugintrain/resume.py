@@ -79,11 +79,20 @@ def checkpoint_hparams(path: str) -> dict[str, Any]:
     file = Path(path)
     if "://" in path:
         return {}
+    if file.is_dir() and (file / HPARAMS_FILENAME).is_file():
+        return read_hparams(file)
+    return dict(checkpoint_entry(path, "hyper_parameters") or {})
+
+
+def checkpoint_entry(path: str, key: str) -> Any:
+    """The top-level entry ``key`` of the checkpoint at ``path`` (a file, or a directory's
+    metadata), or None; only tensors and plain data are unpickled."""
+    file = Path(path)
+    if "://" in path:
+        return None
     if file.is_dir():
-        if (file / HPARAMS_FILENAME).is_file():
-            return read_hparams(file)
-        return dict(load_torch_file(file / LIGHTNING_METADATA).get("hyper_parameters") or {})
-    return dict(load_torch_file(file, mmap=True, map_location="cpu").get("hyper_parameters") or {})
+        return load_torch_file(file / LIGHTNING_METADATA).get(key)
+    return load_torch_file(file, mmap=True, map_location="cpu").get(key)
 
 
 def reconcile(

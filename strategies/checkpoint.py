@@ -487,10 +487,26 @@ def load_dcp(state: dict[str, Any], reader: Any) -> None:
 
 def _load_into(model: nn.Module, state: dict[str, Any], reader: Any) -> None:
     """Fill ``state`` (the model's state dict under ``"state_dict"``, optimizer templates)
-    from ``reader``, one chunk at a time, and load the weights into ``model``."""
+    from ``reader``, one chunk at a time, and load the weights into ``model``.
+
+    A module with ``strict_loading = False`` (a LoRA run, whose base weights come from
+    their own file) takes a checkpoint without its frozen weights; every weight that
+    trains must be there.
+    """
+    strict = getattr(model, "strict_loading", True) is not False
+    if not strict:
+        state["state_dict"] = _held_or_trained(reader, state["state_dict"], model)
     check_shapes(reader, state["state_dict"])
     load_dcp(state, reader)
-    model.load_state_dict(state["state_dict"])
+    model.load_state_dict(state["state_dict"], strict=strict)
+
+
+def _held_or_trained(reader: Any, model_state: dict[str, Any], model: nn.Module) -> dict:
+    """The entries of ``model_state`` the checkpoint holds, plus every trainable one (so
+    a missing trainable weight is still named by :func:`check_shapes`)."""
+    saved = reader.read_metadata().state_dict_metadata
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_state.items() if f"state_dict.{k}" in saved or k in trained}
 
 
 def check_shapes(reader: Any, model_state: dict[str, Any]) -> None:

@@ -45,7 +45,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugintrain.distributed import GradientLayout
+from plugintrain.distributed import CallsModelBuiltHooks, GradientLayout
 from plugintrain.resume import init_restarted_process_group
 from plugintrain.strategies.checkpoint import load_dtensor_states
 from plugintrain.strategies.engine_binding import EngineBinding
@@ -63,7 +63,7 @@ from plugintrain.strategies.tensor_parallel import retie, shared_parameters
 from plugintrain.strategies.tied import TiedParameters
 
 
-class HybridParallelStrategy(ModelParallelStrategy):
+class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
     """Pipeline x tensor (+ sequence) x data parallelism with ZeRO on the data-parallel ranks.
 
     Registered as ``hybrid``. The LightningModule builds a single-device model in

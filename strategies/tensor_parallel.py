@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -34,6 +34,8 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+
+from plugintrain.distributed import TensorParallelExtras
 
 # Styles that exist only to keep activations sharded over the sequence.
 SP_ONLY_STYLES = frozenset({"sequence_parallel", "sequence_scatter"})
@@ -47,6 +49,47 @@ class _FirstInput(PrepareModuleInput):
 
     def _prepare_input_fn(self, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
         return (*super()._prepare_input_fn(inputs[:1], device_mesh), *inputs[1:])
+
+
+def _split_extras(
+    kind: str,
+    split: Callable,
+    src_data_rank: int | None,
+    name: str,
+    module: nn.Module,
+    mesh: DeviceMesh,
+) -> None:
+    """``split`` the Linear's weight and bias as torch does; parameters the module declares
+    beside them (:class:`~plugintrain.distributed.TensorParallelExtras`, a LoRA adapter)
+    are split along their declared dims instead."""
+    if name:  # a child of the layer (a LoRA adapter's dropout): nothing to split
+        return
+    layout = module.tp_placements(kind) if isinstance(module, TensorParallelExtras) else {}
+    extras = {n: module._parameters.pop(n) for n in layout}
+    split(name, module, mesh)
+    for n, param in extras.items():
+        placement = Replicate() if layout[n] is None else Shard(layout[n])
+        tensor = distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank)
+        module.register_parameter(n, nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+class _Colwise(ColwiseParallel):
+    """``ColwiseParallel`` that splits a Linear's declared extra parameters (a LoRA
+    adapter: ``A`` replicated, ``B`` over the output) with it."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        split = super()._partition_linear_fn
+        _split_extras("colwise", split, self.src_data_rank, name, module, mesh)
+
+
+class _Rowwise(RowwiseParallel):
+    """``RowwiseParallel`` that splits a Linear's declared extra parameters (a LoRA
+    adapter: ``A`` over the input, ``B`` replicated) with it; the adapter's partial output
+    joins the layer's own before its single reduction."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        split = super()._partition_linear_fn
+        _split_extras("rowwise", split, self.src_data_rank, name, module, mesh)
 
 
 def _tp_input(sp: bool) -> ParallelStyle:
@@ -70,14 +113,14 @@ def style(name: str, sequence_parallel: bool) -> ParallelStyle:
     """
     seq = Shard(1)
     builders: dict[str, Callable[[], ParallelStyle]] = {
-        "colwise": ColwiseParallel,
+        "colwise": _Colwise,
         # Reduce-scatter into sequence shards with SP (Korthikanti et al. §4.2.2), else all-reduce.
-        "rowwise": lambda: RowwiseParallel(output_layouts=seq if sequence_parallel else None),
+        "rowwise": lambda: _Rowwise(output_layouts=seq if sequence_parallel else None),
         # The embedding output is all-reduced in full even with SP, so GPT-2's learned
         # positions are added to whole sequences; `sequence_scatter` then splits it locally.
         "vocab_embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
         # Logits stay sharded over the vocabulary as a DTensor for `loss_parallel`.
-        "vocab_head": lambda: ColwiseParallel(
+        "vocab_head": lambda: _Colwise(
             input_layouts=seq if sequence_parallel else Replicate(),
             output_layouts=Shard(-1),
             use_local_output=False,
@@ -145,10 +188,15 @@ def apply_tensor_parallel(
         allow_missing: Skip plan entries with no module (a pipeline stage's model).
     """
     shared = shared_parameters(model)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     resolved = expand_plan(model, plan, sequence_parallel, allow_missing)
     styles = {path: style(name, sequence_parallel) for path, name in resolved.items()}
     parallelize_module(model, tp_mesh, styles)
     retie(shared)
+    # torch's SequenceParallel re-creates the norms' parameters as trainable (2.13).
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     return model
 
 

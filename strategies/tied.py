@@ -70,7 +70,9 @@ class TiedParameters:
             if global_rank in ends:
                 self.group = group
         params = dict(module.named_parameters())
-        self.held = [params[n] for pair in self.pairs for n in pair if n in params]
+        # A frozen tied weight (LoRA's base) has no gradient to sum.
+        held = (params[n] for pair in self.pairs for n in pair if n in params)
+        self.held = [p for p in held if p.requires_grad]
 
     def sum_gradients(self, engine: GradientEngine) -> None:
         """Sum each held copy's accumulated gradient with the other stage's copy.

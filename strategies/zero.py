@@ -25,7 +25,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugintrain.distributed import GradientLayout
+from plugintrain.distributed import CallsModelBuiltHooks, GradientLayout
 from plugintrain.resume import init_restarted_process_group
 from plugintrain.strategies.checkpoint import load_weights
 from plugintrain.strategies.engine_binding import EngineBinding
@@ -39,7 +39,7 @@ from plugintrain.strategies.grad_engine import (
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class _GradientEngineStrategy(DDPStrategy):
+class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
     """Lightning's ``DDPStrategy`` with our engine in place of torch's DDP wrapper.
 
     Every engine hook goes through one :class:`~plugintrain.strategies.engine_binding.

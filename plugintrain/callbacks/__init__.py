@@ -1,7 +1,14 @@
 """Callbacks shipped with plugintrain."""
 
 from plugintrain.callbacks.display import CountedFlopsSummary, StepProgressBar
+from plugintrain.callbacks.lora import LoRA
 from plugintrain.callbacks.precision_check import PrecisionCheck
 from plugintrain.callbacks.throughput import TokenThroughputMonitor
 
-__all__ = ["CountedFlopsSummary", "PrecisionCheck", "StepProgressBar", "TokenThroughputMonitor"]
+__all__ = [
+    "CountedFlopsSummary",
+    "LoRA",
+    "PrecisionCheck",
+    "StepProgressBar",
+    "TokenThroughputMonitor",
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -89,10 +90,32 @@ def open_weights(spec: str | Path) -> Weights:
     kind = detect_format(path)
     if kind == "checkpoint":
         reader = checkpoint.CheckpointReader(path)
+        if reader.lora is not None:
+            return _merged_adapters(reader)
         held = set(reader.names())
         names = {n: n if n in held else _tied_alias(n) for n in model_shapes(reader.config)}
         return Weights(reader, renamed(names))
     return Weights(_foreign_reader(kind, path.resolve(), path.stat().st_mtime_ns))
+
+
+def _merged_adapters(adapters: Any) -> Weights:
+    """A LoRA run's checkpoint as the whole model: its base (checked by sha256; the
+    checkpoint's own tensors for a base trained from scratch) with the adapters merged,
+    tensor by tensor."""
+    from plugintrain.formats.checkpoint import MergedAdapterReader
+    from plugintrain.lora import check_base, is_adapter_name, weights_sha256
+
+    record = adapters.lora
+    if record["base"] is None:  # the checkpoint holds every weight itself
+        held = {n for n in adapters.names() if not is_adapter_name(n)}
+        names = {n: n if n in held else _tied_alias(n) for n in model_shapes(adapters.config)}
+        base = Weights(adapters, renamed(names))
+    else:
+        base = open_weights(record["base"])
+        digest = weights_sha256(resolve(record["base"]))
+        check_base(record, record["base"], digest, option=None)
+    merged = MergedAdapterReader(adapters, base)
+    return Weights(merged, renamed({name: name for name in base.names()}))
 
 
 @functools.lru_cache(maxsize=4)

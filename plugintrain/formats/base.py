@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from plugintrain.checkpoint_files import shape_mismatch
+from plugintrain.lora import is_adapter_name
 from plugintrain.model_zoo import gpt2, llama3
 from plugintrain.model_zoo.adapters import Plan
 from plugintrain.model_zoo.config import TransformerConfig
@@ -151,7 +152,7 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
     """Copy ``weights`` into ``model``: a whole :class:`Transformer` of ``config`` (default:
     the file's), a pipeline stage of one, or one holding DTensor shards (tp, FSDP2). Each
     tensor this rank holds is read whole, once, and only its local box is copied (a tied
-    pair is one tensor, written once).
+    pair is one tensor, written once). LoRA adapters in ``model`` are left alone.
 
     Raises:
         WeightFormatError: Before anything is copied, if the file does not hold exactly the
@@ -161,7 +162,7 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
     weights.check(model_shapes(config or weights.config))
     seen: set[int] = set()
     for name, param in model.state_dict(keep_vars=True).items():
-        if id(param) in seen:
+        if id(param) in seen or is_adapter_name(name):  # adapters are not the base's
             continue
         seen.add(id(param))
         local, box = local_box(param)

@@ -14,6 +14,9 @@ from plugintrain.checkpoint_files import LIGHTNING_METADATA, load_torch_file
 from plugintrain.formats.base import WeightFormatError
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 
+LORA_RECORD = "lora"
+"""Where an adapter checkpoint names its base (``plugintrain.callbacks.lora.RECORD_KEY``)."""
+
 PREFIX = "model."
 """``CausalLM`` holds its transformer as ``self.model``."""
 
@@ -59,6 +62,7 @@ class CheckpointReader:
         self.path = path
         if path.is_dir():
             hparams = read_hparams(path)
+            self.lora = load_torch_file(path / LIGHTNING_METADATA).get(LORA_RECORD)
             self._dcp = ChunkByChunkReader(path)
             saved = self._dcp.read_metadata().state_dict_metadata
             key = f"state_dict.{PREFIX}"
@@ -68,6 +72,7 @@ class CheckpointReader:
         else:
             checkpoint = load_torch_file(path, map_location="cpu", mmap=True)
             hparams = checkpoint.get("hyper_parameters", {})
+            self.lora = checkpoint.get(LORA_RECORD)
             state = checkpoint.get("state_dict", {})
             self._file = {k[len(PREFIX) :]: v for k, v in state.items() if k.startswith(PREFIX)}
             self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self._file.items()}
@@ -97,3 +102,52 @@ class CheckpointReader:
         state = {"state_dict": {f"{PREFIX}{name}": torch.empty(shape, dtype=dtype)}}
         load_dcp(state, self._dcp)
         return state["state_dict"][f"{PREFIX}{name}"]
+
+
+class MergedAdapterReader:
+    """An adapter checkpoint (a LoRA run's: adapters and other trained tensors only) as the
+    whole model it describes: its base weights with every adapter merged in, one tensor
+    at a time (``W + alpha / r * B A``, in fp32, stored in the base weight's dtype).
+
+    Args:
+        adapters: The adapter checkpoint.
+        base: The base weights it names (checked against its sha256 by the caller).
+    """
+
+    def __init__(self, adapters: CheckpointReader, base: Any) -> None:
+        from plugintrain.lora import LoRASpec
+
+        self.path = adapters.path
+        self.adapters, self.base = adapters, base
+        self.config, self.tokenizer = base.config, base.tokenizer
+        self.hparams = adapters.hparams
+        spec = LoRASpec.from_record(adapters.lora["spec"])
+        self.scaling = spec.alpha / spec.r
+        self._held = set(adapters.names())
+
+    def names(self) -> list[str]:
+        """Our tensor names: the base model's."""
+        return self.base.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of ``name``."""
+        return self.base.shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Type of ``name``: the trained tensor's, else the base's."""
+        if name == "output.weight" and self.config.tie_embeddings:
+            name = "tok_embeddings.weight"
+        if name in self._held:
+            return self.adapters.dtype(name)
+        return self.base.reader.dtype(self.base.plan[name].sources[0])
+
+    def read(self, name: str) -> Tensor:
+        """Tensor ``name``: the run's (trained, or the base's), its adapter merged in."""
+        if name == "output.weight" and self.config.tie_embeddings:
+            name = "tok_embeddings.weight"  # one tensor, saved under the embedding's name
+        weight = self.adapters.read(name) if name in self._held else self.base.read(name)
+        stem = name.removesuffix(".weight")
+        if f"{stem}.lora_A" not in self._held:
+            return weight
+        a, b = self.adapters.read(f"{stem}.lora_A"), self.adapters.read(f"{stem}.lora_B")
+        return (weight.float() + (b.float() @ a.float()) * self.scaling).to(weight.dtype)

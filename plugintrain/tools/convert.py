@@ -47,6 +47,12 @@ def _parser(command: str) -> ToolParser:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace OUT if it exists (atomically)"
     )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help=f"{source} is a LoRA run's checkpoint: write its base weights with the adapters"
+        " merged in (W + alpha/r B A, one tensor at a time)",
+    )
     return parser
 
 
@@ -67,6 +73,23 @@ def _problem(args: object, command: str) -> str | None:
     return None
 
 
+def _adapter_problem(args: object) -> str | None:
+    """``--merge-lora`` given for a LoRA run's checkpoint, and only for one."""
+    from plugintrain.formats import detect_format, resolve
+    from plugintrain.formats.checkpoint import CheckpointReader
+
+    path = resolve(args.source)
+    record = CheckpointReader(path).lora if detect_format(path) == "checkpoint" else None
+    if record is not None and not args.merge_lora:
+        return (
+            f"{args.source} holds a LoRA run's adapters (base: {record['base'] or 'in it'});"
+            " pass --merge-lora to write the base with the adapters merged in"
+        )
+    if record is None and args.merge_lora:
+        return f"{args.source} holds no LoRA adapters; drop --merge-lora"
+    return None
+
+
 def _run(command: str, argv: Sequence[str]) -> int:
     parser = _parser(command)
     args = parser.parse_args(list(argv))
@@ -81,6 +104,12 @@ def _run(command: str, argv: Sequence[str]) -> int:
             f" `plugintrain convert {args.source} {args.out} --format {args.format}` for"
             " weights in other formats"
         )
+    try:
+        problem = _adapter_problem(args)
+    except ValueError as error:  # a damaged checkpoint, named
+        problem = str(error)
+    if problem is not None:
+        parser.error(problem)
     try:
         weights = convert(args.source, Path(args.out), args.format, args.dtype, args.overwrite)
     except (ValueError, FileExistsError, FileNotFoundError) as error:

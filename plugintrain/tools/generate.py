@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from argparse import Namespace
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,11 +29,27 @@ def _parser() -> ToolParser:
         prog="plugintrain generate", description="Sample text from a CausalLM checkpoint."
     )
     parser.add_argument(
+        "--weights",
         "--ckpt_path",
-        required=True,
+        dest="ckpt_path",
+        default=None,
         help="a .ckpt written by `plugintrain fit` (a file, or the DCP directory of the"
         " sharded strategies), or pretrained weights: a Hugging Face model directory, an"
-        f" llm.c .bin, a .gguf file, or one of {', '.join(PRETRAINED_MODELS)}",
+        f" llm.c .bin, a .gguf file, or one of {', '.join(PRETRAINED_MODELS)}. A LoRA run's"
+        " checkpoint alone means its base with the adapters merged",
+    )
+    parser.add_argument(
+        "--adapter",
+        default=None,
+        help="a LoRA run's checkpoint: its adapters on the --weights base (default: the base"
+        " the adapters were trained on), kept apart from the base weights",
+    )
+    parser.add_argument(
+        "--merge-lora",
+        "--merge_lora",
+        dest="merge_lora",
+        action="store_true",
+        help="merge the --adapter into the base weights before generating (faster)",
     )
     parser.add_argument("--prompt", default="\n", help="text to continue (not empty)")
     parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens to add (>= 1)")
@@ -74,11 +91,17 @@ def _argument_problem(args: Namespace) -> str | None:
         return f"--top_k must be >= 1 (1 is greedy), got {args.top_k}"
     if args.num_samples < 1:
         return f"--num_samples must be >= 1, got {args.num_samples}"
-    if not Path(args.ckpt_path).exists() and args.ckpt_path not in PRETRAINED_MODELS:
-        return (
-            f"--ckpt_path {args.ckpt_path}: no such file or directory; pass the last.ckpt that"
-            " `plugintrain fit` wrote, e.g. runs/<recipe>/checkpoints/last.ckpt"
-        )
+    if args.ckpt_path is None and args.adapter is None:
+        return "pass --weights (a checkpoint or pretrained weights), or --adapter"
+    if args.merge_lora and args.adapter is None:
+        return "--merge-lora merges an --adapter; pass --adapter <a LoRA run's last.ckpt>"
+    weights = "--ckpt_path" if getattr(args, "spelled_ckpt_path", False) else "--weights"
+    for option, path in ((weights, args.ckpt_path), ("--adapter", args.adapter)):
+        if path is not None and not Path(path).exists() and path not in PRETRAINED_MODELS:
+            return (
+                f"{option} {path}: no such file or directory; pass the last.ckpt that"
+                " `plugintrain fit` wrote, e.g. runs/<recipe>/checkpoints/last.ckpt"
+            )
     return None
 
 
@@ -107,6 +130,25 @@ def _prompt_problem(prompt: list[int], args: Namespace, module: CausalLM) -> str
     )
 
 
+def _newest_in(path: str | None) -> str | None:
+    """A run's checkpoint directory (``runs/<recipe>/checkpoints``) means its newest
+    complete checkpoint, as ``--ckpt_path last`` does for ``fit``; anything else itself."""
+    from plugintrain.checkpoint_files import newest_complete
+    from plugintrain.formats import detect_format
+
+    if path is None or not Path(path).is_dir() or path in PRETRAINED_MODELS:
+        return path
+    try:
+        detect_format(Path(path))
+        return path  # a model directory or a sharded checkpoint
+    except ValueError:
+        newest = newest_complete(Path(path))
+    if newest is None:
+        raise ValueError(f"{path} holds no complete checkpoint; pass a .ckpt file or model")
+    print(f"plugintrain: using {newest} (the newest complete checkpoint)", file=sys.stderr)
+    return str(newest)
+
+
 def load_causal_lm(path: str | Path) -> CausalLM:
     """A CausalLM from anything plugintrain reads weights from: a checkpoint file or DCP
     directory written by ``plugintrain fit``, a Hugging Face model directory, an llm.c
@@ -127,6 +169,29 @@ def load_causal_lm(path: str | Path) -> CausalLM:
         hparams = module_hparams(open_weights(path).reader.hparams)  # its options, its config
     module = CausalLM(**{**hparams, "weights": str(path)})  # built on meta, then loaded
     module.configure_model()
+    return module
+
+
+def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalLM:
+    """The base model ``weights`` (default: the one the adapters were trained on, checked
+    by sha256) with the LoRA adapters of the checkpoint ``adapter`` in it, merged into its
+    weights if ``merge``."""
+    from plugintrain import lora
+    from plugintrain.formats import resolve
+    from plugintrain.formats.checkpoint import CheckpointReader
+
+    record = CheckpointReader(Path(adapter)).lora
+    if record is None or record["base"] is None:
+        raise ValueError(
+            f"--adapter {adapter} holds a whole model (no LoRA run's adapters on a base"
+            f" file); pass it as --weights {adapter}"
+        )
+    base = weights or record["base"]
+    lora.check_base(record, base, lora.weights_sha256(resolve(base)), "--weights")
+    module = load_causal_lm(base)
+    lora.load_adapter(module, adapter)
+    if merge:
+        lora.merge(module)
     return module
 
 
@@ -170,6 +235,7 @@ def main(argv: Sequence[str]) -> int:
     """Run ``plugintrain generate``; prints each sample to stdout."""
     parser = _parser()
     args = parser.parse_args(list(argv))
+    args.spelled_ckpt_path = any(a.startswith("--ckpt_path") for a in argv)  # for messages
     problem = _argument_problem(args)
     if problem is not None:
         parser.error(problem)
@@ -181,7 +247,11 @@ def main(argv: Sequence[str]) -> int:
     torch.manual_seed(args.seed)
     try:  # a bad --tokenizer is refused before the checkpoint is read
         tokenizer = get_tokenizer(args.tokenizer) if args.tokenizer else None
-        module = load_causal_lm(args.ckpt_path)
+        args.ckpt_path, args.adapter = _newest_in(args.ckpt_path), _newest_in(args.adapter)
+        if args.adapter is None:
+            module = load_causal_lm(args.ckpt_path)
+        else:
+            module = load_with_adapter(args.ckpt_path, args.adapter, args.merge_lora)
         tokenizer = tokenizer or get_tokenizer(_model_tokenizer(module))
     except (FileNotFoundError, ValueError) as error:  # incl. unsafe or truncated files
         parser.error(str(error))

@@ -39,6 +39,7 @@ from plugintrain.strategies import (
 )
 
 from _harness import run_distributed
+from _hf_models import random_hf_llama
 
 WORLD = 4
 STEPS = 3
@@ -332,16 +333,7 @@ PRETRAINED_LAYOUTS = {  # name -> (HybridParallelStrategy options, head tied to 
 
 def _hf_llama(root: Path, tied: bool) -> Path:
     """A random Hugging Face Llama (GQA) saved by transformers."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(root)
-    return root
+    return random_hf_llama(root, VOCAB, tied=tied)
 
 
 def _hf_val_loss(hf_dir: Path) -> float:

@@ -41,6 +41,8 @@ def test_recipes_cover_the_issue() -> None:
         "llama3_1b_shakespeare",
         "gpt2_debug_shakespeare_cpu",
         "llama3_debug_shakespeare_cpu",
+        "smollm2_lora_shakespeare_cpu",
+        "llama3_1b_lora_shakespeare",
     } <= names
 
 

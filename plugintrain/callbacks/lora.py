@@ -1,0 +1,270 @@
+"""The LoRA callback: adapters put into a LightningModule's model after it is built and
+before any strategy shards it or builds its optimizers, adapter-only checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
+
+from plugintrain import lora
+from plugintrain.initialization import draw_seed
+
+RECORD_KEY = "lora"
+"""Where a checkpoint keeps the adapters' spec and the base weights they were trained on."""
+
+
+class LoRA(Callback):
+    """Low-rank adapters on a model's Linear layers; everything else frozen.
+
+    Configured under ``trainer.callbacks``::
+
+        - class_path: plugintrain.callbacks.LoRA
+          init_args: {r: 8, alpha: 16, target_modules: ["*.attention.wq", "*.attention.wv"]}
+
+    The adapters go in right after the module's ``configure_model`` (plugintrain's
+    strategies call :meth:`on_model_built` there; under Lightning's own strategies the
+    callback wraps ``configure_model``), so they are built on the meta device and split,
+    staged and sharded with their base layers like any other weight. Only adapters (and
+    ``trainable`` modules, and biases per ``bias``) require gradients, so the optimizer
+    and the gradient engine see nothing else.
+
+    A run whose model came from a ``weights`` file saves adapter checkpoints: the
+    trainable tensors and their optimizer state, plus the base file's path and sha256;
+    resuming loads the base from that file and refuses another one.
+
+    Args:
+        r: Rank of each update.
+        alpha: The update is scaled by ``alpha / r``.
+        dropout: Dropout on the adapters' inputs.
+        target_modules: Globs on module paths (relative to the LightningModule, e.g.
+            ``*.attention.wq``, ``*.feed_forward.*``) of the Linear layers to adapt.
+        trainable: Globs of other modules to train whole (e.g. ``model.output``).
+        bias: ``none`` (frozen), ``all`` (every bias trains), ``lora_only`` (the adapted
+            layers' biases train).
+        init: ``kaiming`` (A Kaiming-uniform) or ``gaussian`` (A normal, standard
+            deviation 1/r); B starts at zero either way, so training starts from the base.
+        base_dtype: Store the adapted layers' frozen weights in ``bf16`` (or ``fp16``) to
+            halve their memory while the adapters train in the model's dtype; None keeps
+            the model's dtype.
+    """
+
+    def __init__(
+        self,
+        r: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        target_modules: list[str] | None = None,
+        trainable: list[str] | None = None,
+        bias: str = "none",
+        init: str = "kaiming",
+        base_dtype: str | None = None,
+    ) -> None:
+        default = lora.LoRASpec.target_modules
+        self.spec = lora.LoRASpec(
+            r=r,
+            alpha=alpha,
+            dropout=dropout,
+            target_modules=tuple(default if target_modules is None else target_modules),
+            trainable=tuple(trainable or ()),
+            bias=bias,
+            init=init,
+            base_dtype=base_dtype,
+        )
+        self.adapted: list[str] = []
+        self._trained: set[str] = set()
+        self._base_hash: Future[str] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return f"LoRA(r={self.spec.r})"
+
+    def check_model(self, pl_module: pl.LightningModule) -> None:
+        """Raise what :meth:`on_model_built` would (a glob matching nothing, a target that
+        is no Linear layer, a tied one) on a copy of the module built on the meta device:
+        ``plugintrain fit`` calls it before any process is launched."""
+        probe = copy.deepcopy(pl_module)
+        # Building draws a model's init seed: the real run's must not see the probe's draw.
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            if is_overridden("configure_model", probe):
+                probe.configure_model()
+            lora.inject(probe, self.spec)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not is_overridden("configure_model", pl_module):
+            self.on_model_built(trainer, pl_module)  # the model exists already
+        elif not getattr(trainer.strategy, "calls_on_model_built", False):
+            _after_configure_model(pl_module, functools.partial(self.on_model_built, trainer))
+        base = base_name(pl_module)
+        if base is not None and trainer.is_global_zero and self._base_hash is None:
+            # Hashed beside the first steps (hashlib releases the GIL); needed at the first save.
+            self._base_hash = ThreadPoolExecutor(1).submit(lora.weights_sha256, _resolve(base))
+
+    def on_model_built(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the adapters in (once per module); plugintrain's strategies call this right
+        after the module's ``configure_model``, before they split, shard or allocate."""
+        if any(True for _ in lora.adapted_layers(pl_module)):
+            return
+        self.adapted = lora.inject(pl_module, self.spec)
+        # Names before any wrapper (Lightning's FSDP) renames them: what checkpoints keep.
+        self._trained = {name for name, p in pl_module.named_parameters() if p.requires_grad}
+        if hasattr(pl_module, "flops_per_token_adjustment"):  # MFU counts what steps run
+            pl_module.flops_per_token_adjustment = lora.flops_per_token_change(pl_module)
+        if base_name(pl_module) is not None:
+            pl_module.strict_loading = False  # the base weights come from their file
+        on_meta = any(p.is_meta for p in pl_module.parameters())
+        if on_meta and callable(getattr(pl_module, "init_weights", None)):
+            _after_init_weights(pl_module, self.spec.init)
+        else:
+            seed = getattr(pl_module, "init_seed", None)
+            lora.init_adapters(pl_module, draw_seed() if seed is None else seed, self.spec.init)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        base = base_name(pl_module)
+        if base is not None:  # a randomly initialized base exists nowhere else: kept whole
+            state = checkpoint["state_dict"]
+            checkpoint["state_dict"] = {k: v for k, v in state.items() if k in self._trained}
+        digest = self._base_hash.result() if self._base_hash is not None else None
+        checkpoint[RECORD_KEY] = {
+            "base": base,
+            "sha256": digest,
+            "spec": self.spec.record(),
+            "adapted": list(self.adapted),
+        }
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        record = checkpoint.get(RECORD_KEY)
+        if record is None:
+            return
+        problem = _spec_problem(record, self.spec)
+        state = checkpoint.get("state_dict")  # (a sharded load has filled the model already)
+        missing = sorted(self._trained - set(state)) if state is not None else []
+        if problem is None and missing:
+            problem = f"the checkpoint lacks {missing[0]} ({len(missing)} trained tensors)"
+        if problem is None and self._base_hash is not None:  # global rank 0 hashed the base
+            try:
+                lora.check_base(record, base_name(pl_module), self._base_hash.result(), BASE_OPTION)
+            except ValueError as error:
+                problem = str(error)
+        problem = trainer.strategy.broadcast(problem)  # every rank stops, not only rank 0
+        if problem is not None:
+            raise ValueError(problem)
+
+
+BASE_OPTION = "model.init_args.weights"
+"""Where a recipe names the base weights."""
+
+
+def base_name(pl_module: pl.LightningModule) -> str | None:
+    """The module's base weights as a checkpoint records them: a pretrained name as it
+    is, a path made absolute (so tools find it from any directory); None without one."""
+    from plugintrain.data.assets import PRETRAINED_MODELS
+
+    weights = getattr(pl_module, "weights", None)
+    if weights is None or str(weights) in PRETRAINED_MODELS:
+        return None if weights is None else str(weights)
+    return str(Path(weights).resolve())
+
+
+def _spec_problem(record: dict[str, Any], spec: lora.LoRASpec) -> str | None:
+    difference = lora.spec_difference(record, spec)
+    if difference is None:
+        return None
+    return (
+        f"the adapters were trained with LoRA {difference}; set the LoRA callback's"
+        " init_args to the checkpoint's spec to resume it"
+    )
+
+
+def _resolve(weights: str) -> str:
+    """The path of ``weights`` (a pretrained name is fetched into the asset directory)."""
+    from plugintrain.formats import resolve
+
+    return str(resolve(weights))
+
+
+def resume_base(
+    ckpt_path: str, record: dict[str, Any], weights: str | None, callbacks: Any, verify: bool
+) -> str | None:
+    """The base weights a run resumes the LoRA checkpoint ``ckpt_path`` on: the run's
+    ``weights``, else the base its ``record`` names (None: the checkpoint holds the whole
+    model); checked before anything is launched, the base's sha256 only where ``verify``
+    (the launching process: one read of the base, not one per rank).
+
+    Raises:
+        ValueError: One line: no LoRA callback configured, another spec, or base weights
+            whose sha256 differs from the one the adapters were trained on.
+    """
+    listed = callbacks if isinstance(callbacks, list) else [callbacks] if callbacks else []
+    configured = [_spec_of(c) for c in listed if _is_lora(c)]
+    if not configured:
+        spec = ", ".join(f"{k}: {json.dumps(v)}" for k, v in record["spec"].items())
+        raise ValueError(
+            f"{ckpt_path} holds LoRA adapters (base: {record['base']}); add the LoRA"
+            f" callback to trainer.callbacks: {{class_path: plugintrain.callbacks.LoRA,"
+            f" init_args: {{{spec}}}}}"
+        )
+    problem = _spec_problem(record, configured[0])
+    if problem is not None:
+        raise ValueError(f"{ckpt_path}: {problem}")
+    base = weights or record["base"]
+    if base is not None and verify:
+        lora.check_base(record, base, lora.weights_sha256(_resolve(base)), BASE_OPTION)
+    return base
+
+
+def _spec_of(callback: Any) -> lora.LoRASpec:
+    if isinstance(callback, LoRA):
+        return callback.spec
+    init_args = callback.get("init_args")
+    return LoRA(**(init_args.as_dict() if hasattr(init_args, "as_dict") else init_args or {})).spec
+
+
+def _is_lora(callback: Any) -> bool:
+    if isinstance(callback, LoRA):
+        return True
+    path = callback.get("class_path") if hasattr(callback, "get") else None
+    return isinstance(path, str) and path.rpartition(".")[2] == "LoRA"
+
+
+def _after_configure_model(pl_module: pl.LightningModule, hook: Any) -> None:
+    """Make ``pl_module.configure_model`` call ``hook(pl_module)`` after itself."""
+    original = pl_module.configure_model
+    if getattr(original, "_lora_hook", None) == hook.func:
+        return  # wrapped by an earlier `setup` (another stage) already
+
+    def configure_model() -> None:
+        original()
+        hook(pl_module)
+
+    configure_model._lora_hook = hook.func  # type: ignore[attr-defined]
+    pl_module.configure_model = configure_model
+
+
+def _after_init_weights(pl_module: pl.LightningModule, init: str) -> None:
+    """Make the strategy's ``init_weights`` call (after the model is materialized, with
+    the broadcast seed) initialize the adapters too."""
+    original = pl_module.init_weights
+
+    def init_weights() -> None:
+        original()
+        with torch.no_grad():
+            lora.init_adapters(pl_module, pl_module.init_seed, init)
+
+    pl_module.init_weights = init_weights

@@ -1,0 +1,446 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): a frozen
+Linear layer plus a trainable low-rank update, ``y = x W^T + b + (alpha / r) x A^T B^T``.
+
+Model-side code only: :class:`LoRALinear`, putting adapters into a module
+(:func:`inject`), initializing them shard by shard (:func:`init_adapters`), merging them
+into the base weights and back (:func:`merge`, :func:`unmerge`), and the fingerprint of
+the base weights an adapter checkpoint names (:func:`weights_sha256`). The Lightning side
+is :class:`plugintrain.callbacks.LoRA`.
+
+Every operation is written on the layer's own tensors, so it runs unchanged on a
+tensor-parallel shard: :meth:`LoRALinear.tp_placements` tells the strategy to split the
+adapter with its base layer (column-wise base: ``A`` replicated, ``B`` split over the
+output; row-wise base: ``A`` split over the input, ``B`` replicated), the adapter's
+partial output is added inside the layer, before its one all-reduce or reduce-scatter,
+and a merge adds ``B_local A_local`` to the local weight shard: nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import hashlib
+import json
+import math
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from plugintrain.initialization import seeded_normal_, seeded_uniform_
+
+ADAPTER_PARAMS = ("lora_A", "lora_B")
+INITS = ("kaiming", "gaussian")
+BIAS_MODES = ("none", "all", "lora_only")
+BASE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether the parameter or state-dict key ``name`` is a LoRA adapter's."""
+    return name.rpartition(".")[2] in ADAPTER_PARAMS
+
+
+class LoRALinear(nn.Linear):
+    """A Linear layer (weight and bias kept as they are, frozen) with a LoRA adapter.
+
+    ``A`` is ``(r, in_features)``, ``B`` is ``(out_features, r)``; the adapter adds
+    ``scaling * B A x`` with ``scaling = alpha / r``. A base weight stored in a lower
+    precision than the adapter (``base_dtype``) is computed in its own dtype and the
+    result cast back to the input's.
+
+    Args:
+        base: The Linear layer to adapt; its parameters are taken over, not copied.
+        r: Rank of the update.
+        alpha: Scale numerator.
+        dropout: Dropout on the adapter's input.
+        dtype: The adapter's dtype (default: the base weight's).
+    """
+
+    def __init__(
+        self, base: nn.Linear, r: int, alpha: float, dropout: float, dtype: torch.dtype | None
+    ) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        factory = {"device": base.weight.device, "dtype": dtype or base.weight.dtype}
+        self.lora_A = nn.Parameter(torch.zeros(r, self.in_features, **factory))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, **factory))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.merged = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x W^T + b`` plus, unless merged, ``scaling * dropout(x) A^T B^T``."""
+        y = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        if self.merged:
+            return y
+        # Scaled on the input: under a row-wise split the adapter's output is a partial sum
+        # until the layer's one reduction, and only linear operations may follow it.
+        h = F.linear(self.lora_dropout(x).to(self.lora_A.dtype) * self.scaling, self.lora_A)
+        return y + F.linear(h, self.lora_B).to(y.dtype)
+
+    def tp_placements(self, kind: str) -> dict[str, int | None]:
+        """How the adapter splits when this layer is split ``kind`` (``colwise`` or
+        ``rowwise``) over tensor-parallel ranks: the dim of each parameter, None for
+        replicated (see :class:`plugintrain.distributed.TensorParallelExtras`)."""
+        if kind == "colwise":
+            return {"lora_A": None, "lora_B": 0}
+        return {"lora_A": 1, "lora_B": None}
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Add ``scaling * B A`` into the weight, in place, on this rank's shard; a no-op if
+        merged already."""
+        if not self.merged:
+            self.weight.add_(self._delta())
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract what :meth:`merge` added; a no-op if not merged. Restores the weight up
+        to the rounding of one addition and one subtraction in its dtype (exactly when
+        ``B`` is zero)."""
+        if self.merged:
+            self.weight.sub_(self._delta())
+            self.merged = False
+
+    def _delta(self) -> Tensor:
+        # DTensor propagation keeps it local: colwise B (Shard 0) @ A (replicated) and
+        # rowwise B (replicated) @ A (Shard 1) are both laid out like the weight.
+        return ((self.lora_B.float() @ self.lora_A.float()) * self.scaling).to(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}, merged={self.merged}"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRASpec:
+    """What :func:`inject` adapts and trains (the fields of :class:`plugintrain.callbacks.LoRA`)."""
+
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("*.attention.wq", "*.attention.wv")
+    trainable: tuple[str, ...] = ()
+    bias: str = "none"
+    init: str = "kaiming"
+    base_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem is not None:
+            raise ValueError(problem)
+
+    def problem(self) -> str | None:
+        """What is wrong with the values, in one line with the fix; None if nothing."""
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            return f"LoRA r={self.r!r}: the rank must be a positive integer, e.g. r: 8"
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+            return f"LoRA alpha={self.alpha!r}: must be > 0 (the update is scaled by alpha / r)"
+        if not 0 <= self.dropout < 1:
+            return f"LoRA dropout={self.dropout!r}: must be in [0, 1)"
+        if not self.target_modules:
+            return "LoRA target_modules is empty; name the Linear layers, e.g. ['*.attention.wq']"
+        for field, value, allowed in (
+            ("bias", self.bias, BIAS_MODES),
+            ("init", self.init, INITS),
+            ("base_dtype", self.base_dtype, (None, *BASE_DTYPES)),
+        ):
+            if value not in allowed:
+                return f"LoRA {field}={value!r}: use one of {', '.join(map(str, allowed))}"
+        return None
+
+    def record(self) -> dict[str, object]:
+        """The fields as plain data (saved in adapter checkpoints)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_record(cls, record: dict[str, object]) -> LoRASpec:
+        """The spec a :meth:`record` describes."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def _plain(value: object) -> object:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def inject(module: nn.Module, spec: LoRASpec) -> list[str]:
+    """Replace every Linear layer of ``module`` whose path matches ``spec.target_modules``
+    by a :class:`LoRALinear`, freeze every other parameter but ``spec.trainable`` ones
+    (and biases per ``spec.bias``), and return the adapted paths.
+
+    Works on the meta device (the adapters are allocated with the model later) and on
+    real tensors (the adapters start at zero: call :func:`init_adapters`).
+
+    Raises:
+        ValueError: One line: a pattern that matches no module (listing the paths that
+            exist, layer numbers folded), a match that is not a Linear layer, or a layer
+            whose weight is shared with another module (a tied head: merging it would
+            change the embedding too).
+    """
+    modules = dict(module.named_modules())
+    targets = _linear_targets(modules, spec.target_modules)
+    shared = _shared_weights(module)
+    for path in targets:
+        weight = modules[path].weight
+        if id(weight) in shared:
+            raise ValueError(
+                f"LoRA target {path} shares its weight with {shared[id(weight)]} (tied"
+                " embeddings): an adapter there could not be merged; drop it from"
+                " target_modules, or list it under trainable to train the tied weight itself"
+            )
+    for param in module.parameters():
+        param.requires_grad_(False)
+    adapted = []
+    for path in targets:
+        parent, _, leaf = path.rpartition(".")
+        layer = modules[path]
+        if not isinstance(layer, LoRALinear):  # (injecting twice adapts once)
+            layer = LoRALinear(layer, spec.r, spec.alpha, spec.dropout, layer.weight.dtype)
+            setattr(modules[parent] if parent else module, leaf, layer)
+        adapted.append(path)
+        layer.lora_A.requires_grad_(True)
+        layer.lora_B.requires_grad_(True)
+        if layer.bias is not None and spec.bias == "lora_only":
+            layer.bias.requires_grad_(True)
+    for path in _matching(modules, spec.trainable, "trainable"):
+        modules[path].requires_grad_(True)
+    if spec.bias == "all":
+        for name, param in module.named_parameters():
+            if name.rpartition(".")[2] == "bias":
+                param.requires_grad_(True)
+    if spec.base_dtype is not None:  # once every flag is final: only what stays frozen
+        for _, layer in adapted_layers(module):
+            _cast_frozen(layer, BASE_DTYPES[spec.base_dtype])
+    return adapted
+
+
+def _cast_frozen(layer: nn.Linear, dtype: torch.dtype) -> None:
+    """Store ``layer``'s weight and bias in ``dtype`` where they are frozen (a bias that
+    trains, or a weight listed under ``trainable``, keeps the adapters' dtype)."""
+    for name in ("weight", "bias"):
+        param = getattr(layer, name)
+        if param is not None and not param.requires_grad and param.dtype != dtype:
+            setattr(layer, name, nn.Parameter(param.detach().to(dtype), requires_grad=False))
+
+
+def _linear_targets(modules: dict[str, nn.Module], patterns: Sequence[str]) -> list[str]:
+    """The Linear layers ``patterns`` match (a glob may also match other modules, e.g.
+    ``*.feed_forward.*`` the dropout: those are skipped); a pattern that matches no
+    Linear layer is an error naming what it matched."""
+    matched = _matching(modules, patterns, "target_modules")
+    for pattern in patterns:
+        hits = fnmatch.filter(matched, pattern)
+        if not any(isinstance(modules[p], nn.Linear) for p in hits):
+            kinds = ", ".join(f"{p} ({type(modules[p]).__name__})" for p in hits[:3])
+            raise ValueError(
+                f"LoRA target_modules pattern {pattern!r} matches no Linear layer, only"
+                f" {kinds}; target Linear layers such as {_example_linears(modules)}"
+            )
+    return [p for p in matched if isinstance(modules[p], nn.Linear)]
+
+
+def _matching(modules: dict[str, nn.Module], patterns: Sequence[str], field: str) -> list[str]:
+    """Module paths matching any of ``patterns``, in module order; a pattern matching
+    nothing is an error that lists the paths there are."""
+    paths = [p for p in modules if p]
+    found: dict[str, None] = {}
+    for pattern in patterns:
+        matches = fnmatch.filter(paths, pattern)
+        if not matches:
+            raise ValueError(
+                f"LoRA {field} pattern {pattern!r} matches no module; the module paths are"
+                f" {_folded(paths)}"
+            )
+        found.update(dict.fromkeys(matches))
+    return [p for p in paths if p in found]
+
+
+def _folded(paths: list[str], limit: int = 40) -> str:
+    """``paths`` with layer numbers folded into ``*`` (one line for any depth)."""
+    folded = list(dict.fromkeys(re.sub(r"\.\d+(?=\.|$)", ".*", p) for p in paths))
+    more = f" (and {len(folded) - limit} more)" if len(folded) > limit else ""
+    return ", ".join(folded[:limit]) + more
+
+
+def _example_linears(modules: dict[str, nn.Module]) -> str:
+    linears = [p for p, m in modules.items() if isinstance(m, nn.Linear)]
+    return _folded(linears, limit=4) or "(none: this model has no Linear layer)"
+
+
+def _shared_weights(module: nn.Module) -> dict[int, str]:
+    """id of every parameter held by more than one module -> the paths holding it."""
+    owners: dict[int, list[str]] = {}
+    for path, sub in module.named_modules():
+        for name, param in sub.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append(f"{path}.{name}" if path else name)
+    return {key: " and ".join(paths) for key, paths in owners.items() if len(paths) > 1}
+
+
+def adapted_layers(module: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """Every :class:`LoRALinear` of ``module`` with its path."""
+    for path, layer in module.named_modules():
+        if isinstance(layer, LoRALinear):
+            yield path, layer
+
+
+@torch.no_grad()
+def init_adapters(module: nn.Module, seed: int, init: str = "kaiming") -> None:
+    """Initialize every adapter of ``module``: ``B = 0`` (the model starts as its base)
+    and ``A`` Kaiming-uniform (``U(-1/sqrt(in), 1/sqrt(in))``, PyTorch's Linear init and
+    the reference implementation's) or Gaussian (standard deviation ``1/r``, as PEFT
+    draws it). Values derive from ``(seed, path)`` only
+    (:mod:`plugintrain.initialization`), so a rank that holds a shard of ``A`` draws just
+    its part of what one process draws."""
+    for path, layer in adapted_layers(module):
+        key = f"{path}.lora_A"
+        if init == "kaiming":
+            seeded_uniform_(layer.lora_A, 1 / math.sqrt(layer.in_features), seed, key)
+        else:
+            seeded_normal_(layer.lora_A, 1 / layer.r, seed, key)
+        layer.lora_B.zero_()
+        layer.merged = False
+
+
+def flops_per_token_change(module: nn.Module) -> int:
+    """Training FLOPs per token that adapting ``module`` adds and removes, against the
+    ``6 N`` of training every matmul weight: each adapter parameter costs 6 (forward,
+    input and weight gradients), each frozen Linear weight saves its weight gradient's 2.
+    Counted on the whole model (call before it is split into pipeline stages)."""
+    frozen = sum(
+        m.weight.numel()
+        for m in module.modules()
+        if isinstance(m, nn.Linear) and not m.weight.requires_grad
+    )
+    adapters = sum(
+        layer.lora_A.numel() + layer.lora_B.numel() for _, layer in adapted_layers(module)
+    )
+    return 6 * adapters - 2 * frozen
+
+
+def merge(module: nn.Module) -> int:
+    """Merge every adapter of ``module`` into its base weight (idempotent); the count."""
+    layers = list(adapted_layers(module))
+    for _, layer in layers:
+        layer.merge()
+    return len(layers)
+
+
+def unmerge(module: nn.Module) -> int:
+    """Undo :func:`merge` on every adapter of ``module`` (idempotent); the count."""
+    layers = list(adapted_layers(module))
+    for _, layer in layers:
+        layer.unmerge()
+    return len(layers)
+
+
+@torch.no_grad()
+def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
+    """Put the adapters of the adapter checkpoint at ``path`` (a LoRA run's ``.ckpt`` file
+    or DCP directory) into ``module`` (the LightningModule holding the base model, its
+    base weights loaded; unmerged), with the tensors the run trained; returns their spec.
+    The caller checks the base (:func:`check_base`).
+
+    Raises:
+        ValueError: If ``path`` holds no adapters, or not those of this model.
+    """
+    from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
+
+    reader = CheckpointReader(Path(path))
+    if reader.lora is None:
+        raise ValueError(
+            f"{path} holds no LoRA adapters (it is a whole model's checkpoint); pass it as the"
+            " model's weights instead"
+        )
+    spec = LoRASpec.from_record(reader.lora["spec"])
+    inject(module, spec)
+    params = dict(module.named_parameters())
+    missing = sorted(
+        n
+        for n, p in params.items()
+        if p.requires_grad and n.removeprefix(PREFIX) not in reader.names()
+    )
+    if missing:
+        raise ValueError(
+            f"{path} lacks {missing[0]} (and {len(missing) - 1} more) of the tensors its LoRA"
+            " spec trains: a damaged checkpoint; pass the one its run wrote last"
+        )
+    for name in reader.names():
+        params[f"{PREFIX}{name}"].copy_(reader.read(name))
+    return spec
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".ckpt", ".pt", ".distcp", ".metadata")
+"""What :func:`weights_sha256` reads of a directory: its weight, config and tokenizer files
+(not a README, and nothing in subdirectories, such as a download tool's cache)."""
+
+
+def weights_sha256(path: str | Path) -> str:
+    """sha256 of a weights file, or of a directory's top-level weight, config and tokenizer
+    files (:data:`WEIGHT_SUFFIXES`; each one's name, then its bytes, in sorted order): what
+    an adapter checkpoint records of the base it was trained on. Remembered per process
+    while no file changes.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+    """
+    root = Path(path).resolve()
+    if not root.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory (the LoRA base weights)")
+    if root.is_file():
+        files = [root]
+    else:
+        files = sorted(
+            p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+        )
+    key = (root, *((f, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        for file in files:
+            if file != root:
+                digest.update(file.name.encode() + b"\0")
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 23):
+                    digest.update(chunk)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def check_base(record: dict, base: str | None, digest: str, option: str | None) -> None:
+    """Raise unless ``digest`` (of the base weights ``base``) is the sha256 that the adapter
+    checkpoint's ``record`` was trained on; ``option`` is where the user names the base
+    (``model.init_args.weights``, ``--weights``), None where only the record names it."""
+    if record.get("sha256") is None:
+        raise ValueError(
+            f"the adapter checkpoint records no sha256 of its base {record.get('base')}; pass"
+            " one written by a LoRA run of this plugintrain"
+        )
+    if record["sha256"] != digest:
+        raise ValueError(
+            f"the adapters were trained on base weights {record['base']} (sha256"
+            f" {record['sha256'][:12]}...), but {base} has sha256 {digest[:12]}...; "
+            + (
+                f"set {option} to {record['base']}"
+                if option is not None
+                else f"put the base they were trained on back at {record['base']}"
+            )
+        )
+
+
+def spec_difference(record: dict, spec: LoRASpec) -> str | None:
+    """The first field in which ``spec`` differs from the spec an adapter checkpoint's
+    ``record`` was trained with, as ``field: saved (this run: value)``; None if none."""
+    saved = LoRASpec.from_record(record["spec"]).record()
+    for field, value in spec.record().items():
+        if saved[field] != value:
+            return f"{field}: {json.dumps(saved[field])} (this run: {json.dumps(value)})"
+    return None
