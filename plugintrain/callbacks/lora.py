@@ -114,6 +114,9 @@ class LoRA(Callback):
         """Put the adapters in (once per module); plugintrain's strategies call this right
         after the module's ``configure_model``, before they split, shard or allocate."""
         if any(True for _ in lora.adapted_layers(pl_module)):
+            if not self._trained:  # adapted by an earlier run of this module
+                self.adapted = [path for path, _ in lora.adapted_layers(pl_module)]
+                self._trained = {n for n, p in pl_module.named_parameters() if p.requires_grad}
             return
         self.adapted = lora.inject(pl_module, self.spec)
         # Names before any wrapper (Lightning's FSDP) renames them: what checkpoints keep.
