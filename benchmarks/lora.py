@@ -41,29 +41,29 @@ Measured on this machine (2 CPU cores, AVX2, torch 2.13.0+cpu), default argument
 are the tied 128,256 x 128 embedding/head, B=4 T=64, fp32::
 
     variant               trainable  opt. state MiB    step peak MiB   tokens/s
-    full (baseline)      17,204,352  131.26            583.6           248
-    lora r=8                 77,824    0.59 (0.0045x)  454.1 (0.78x)   399 (1.61x)
-    lora r=8, bf16 base      77,824    0.59 (0.0045x)  452.6 (0.78x)   279 (1.13x)
+    full (baseline)      17,204,352  131.26            583.6           246
+    lora r=8                 77,824    0.59 (0.0045x)  452.2 (0.77x)   393 (1.59x)
+    lora r=8, bf16 base      77,824    0.59 (0.0045x)  450.7 (0.77x)   283 (1.15x)
 
 The optimizer-state ratio is the expected one (0.00453 measured and expected). The peak
-falls only to 0.78x: static bytes fall from 197.0 to 66.6 MiB (131 MiB of AdamW state
-gone), but the transient part is the same, 387 MiB in both, as the peak is reached in the
+falls only to 0.77x: static bytes fall from 197.0 to 66.6 MiB (131 MiB of AdamW state
+gone), but the transient part is the same, about 386 MiB in both, as the peak is in the
 log-softmax backward of the 128,256-token head, where three 125 MiB fp32 logits tensors
 are alive and no weight gradient exists yet; so LoRA's saving on gradients does not show,
 and storing the adapted layers in bf16 saves 1.5 MiB (they hold 0.79 M of the 17.2 M
 parameters). With a model whose body outweighs its head,
-``--model smollm2-135m --batch-size 1 --seq-len 64 --steps 2 --warmup 1`` (pretrained,
-134.5 M parameters, 159 s under load)::
+``--model smollm2-135m --batch-size 1 --seq-len 64 --steps 3 --warmup 1`` (pretrained,
+134.5 M parameters, 82 s, idle)::
 
     variant               trainable   opt. state MiB    step peak MiB    tokens/s
-    full (baseline)      134,515,008  1026.27           2272.5           30
-    lora r=8               2,442,240    18.63 (0.0182x)  671.6 (0.30x)   59 (1.95x)
-    lora r=8, bf16 base    2,442,240    18.63 (0.0182x)  469.1 (0.21x)    7 (0.22x)
+    full (baseline)      134,515,008  1026.27           2272.5           34
+    lora r=8               2,442,240    18.63 (0.0182x)  659.2 (0.29x)   59 (1.72x)
+    lora r=8, bf16 base    2,442,240    18.63 (0.0182x)  456.7 (0.20x)    6 (0.18x)
 
 There full fine-tuning peaks when autograd adds the tied embedding's two gradients at the
 end of the backward (and again, to the byte, in AdamW's update of the embedding): all
 513 MiB of gradients live plus two 108 MiB embedding-sized temporaries, 729 MiB transient
-against LoRA's 126.5 MiB; and the bf16 base saves another 202.5 MiB of weights.
+against LoRA's 114.2 MiB; and the bf16 base saves another 202.5 MiB of weights.
 """
 
 from __future__ import annotations

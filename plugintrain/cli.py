@@ -29,7 +29,6 @@ from typing_extensions import override
 
 import plugintrain.strategies  # noqa: F401  (registers zero1/zero2/... with Lightning)
 from plugintrain.callbacks import CountedFlopsSummary, StepProgressBar, TokenThroughputMonitor
-from plugintrain.callbacks.lora import RECORD_KEY as LORA_RECORD
 from plugintrain.callbacks.lora import resume_base
 from plugintrain.cli_usage import (
     ConfigError,
@@ -39,6 +38,7 @@ from plugintrain.cli_usage import (
     user_message,
 )
 from plugintrain.data import family_tokenizer
+from plugintrain.lora import RECORD_KEY as LORA_RECORD
 from plugintrain.precision_plugins import canonical_precision_name, precision_plugin_from_name
 from plugintrain.resume import (
     checkpoint_entry,

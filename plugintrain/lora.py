@@ -32,6 +32,9 @@ from torch import Tensor, nn
 
 from plugintrain.initialization import seeded_normal_, seeded_uniform_
 
+RECORD_KEY = "lora"
+"""Where a LoRA run's checkpoint keeps the adapters' spec and the base they were trained on."""
+
 ADAPTER_PARAMS = ("lora_A", "lora_B")
 INITS = ("kaiming", "gaussian")
 BIAS_MODES = ("none", "all", "lora_only")
@@ -78,9 +81,10 @@ class LoRALinear(nn.Linear):
         y = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         if self.merged:
             return y
-        # Scaled on the input: under a row-wise split the adapter's output is a partial sum
-        # until the layer's one reduction, and only linear operations may follow it.
-        h = F.linear(self.lora_dropout(x).to(self.lora_A.dtype) * self.scaling, self.lora_A)
+        # Scaled through A (r x in, small): under a row-wise split the adapter's output is a
+        # partial sum until the layer's one reduction, and scaling the input would keep a
+        # scaled copy of every adapted layer's activations for backward.
+        h = F.linear(self.lora_dropout(x).to(self.lora_A.dtype), self.lora_A * self.scaling)
         return y + F.linear(h, self.lora_B).to(y.dtype)
 
     def tp_placements(self, kind: str) -> dict[str, int | None]:
@@ -185,16 +189,7 @@ def inject(module: nn.Module, spec: LoRASpec) -> list[str]:
             change the embedding too).
     """
     modules = dict(module.named_modules())
-    targets = _linear_targets(modules, spec.target_modules)
-    shared = _shared_weights(module)
-    for path in targets:
-        weight = modules[path].weight
-        if id(weight) in shared:
-            raise ValueError(
-                f"LoRA target {path} shares its weight with {shared[id(weight)]} (tied"
-                " embeddings): an adapter there could not be merged; drop it from"
-                " target_modules, or list it under trainable to train the tied weight itself"
-            )
+    targets = check(module, spec)
     for param in module.parameters():
         param.requires_grad_(False)
     adapted = []
@@ -219,6 +214,24 @@ def inject(module: nn.Module, spec: LoRASpec) -> list[str]:
         for _, layer in adapted_layers(module):
             _cast_frozen(layer, BASE_DTYPES[spec.base_dtype])
     return adapted
+
+
+def check(module: nn.Module, spec: LoRASpec) -> list[str]:
+    """The Linear layers of ``module`` that ``spec`` adapts, changing nothing; raises what
+    :func:`inject` would (see there)."""
+    modules = dict(module.named_modules())
+    targets = _linear_targets(modules, spec.target_modules)
+    _matching(modules, spec.trainable, "trainable")
+    shared = _shared_weights(module)
+    for path in targets:
+        weight = modules[path].weight
+        if id(weight) in shared:
+            raise ValueError(
+                f"LoRA target {path} shares its weight with {shared[id(weight)]} (tied"
+                " embeddings): an adapter there could not be merged; drop it from"
+                " target_modules, or list it under trainable to train the tied weight itself"
+            )
+    return targets
 
 
 def _cast_frozen(layer: nn.Linear, dtype: torch.dtype) -> None:
@@ -361,17 +374,16 @@ def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
     spec = LoRASpec.from_record(reader.lora["spec"])
     inject(module, spec)
     params = dict(module.named_parameters())
+    saved = set(reader.names())
     missing = sorted(
-        n
-        for n, p in params.items()
-        if p.requires_grad and n.removeprefix(PREFIX) not in reader.names()
+        n for n, p in params.items() if p.requires_grad and n.removeprefix(PREFIX) not in saved
     )
     if missing:
         raise ValueError(
             f"{path} lacks {missing[0]} (and {len(missing) - 1} more) of the tensors its LoRA"
             " spec trains: a damaged checkpoint; pass the one its run wrote last"
         )
-    for name in reader.names():
+    for name in saved:
         params[f"{PREFIX}{name}"].copy_(reader.read(name))
     return spec
 

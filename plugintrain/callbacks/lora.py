@@ -19,9 +19,6 @@ from typing_extensions import override
 from plugintrain import lora
 from plugintrain.initialization import draw_seed
 
-RECORD_KEY = "lora"
-"""Where a checkpoint keeps the adapters' spec and the base weights they were trained on."""
-
 
 class LoRA(Callback):
     """Low-rank adapters on a model's Linear layers; everything else frozen.
@@ -90,14 +87,17 @@ class LoRA(Callback):
 
     def check_model(self, pl_module: pl.LightningModule) -> None:
         """Raise what :meth:`on_model_built` would (a glob matching nothing, a target that
-        is no Linear layer, a tied one) on a copy of the module built on the meta device:
-        ``plugintrain fit`` calls it before any process is launched."""
-        probe = copy.deepcopy(pl_module)
+        is no Linear layer, a tied one); a module that builds its model in
+        ``configure_model`` is checked on a copy built on the meta device (nothing is
+        allocated). ``plugintrain fit`` calls it before any process is launched."""
+        if not is_overridden("configure_model", pl_module):
+            lora.check(pl_module, self.spec)
+            return
+        probe = copy.deepcopy(pl_module)  # not built yet: no weights to copy
         # Building draws a model's init seed: the real run's must not see the probe's draw.
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            if is_overridden("configure_model", probe):
-                probe.configure_model()
-            lora.inject(probe, self.spec)
+            probe.configure_model()
+        lora.check(probe, self.spec)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -141,7 +141,7 @@ class LoRA(Callback):
             state = checkpoint["state_dict"]
             checkpoint["state_dict"] = {k: v for k, v in state.items() if k in self._trained}
         digest = self._base_hash.result() if self._base_hash is not None else None
-        checkpoint[RECORD_KEY] = {
+        checkpoint[lora.RECORD_KEY] = {
             "base": base,
             "sha256": digest,
             "spec": self.spec.record(),
@@ -152,7 +152,7 @@ class LoRA(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        record = checkpoint.get(RECORD_KEY)
+        record = checkpoint.get(lora.RECORD_KEY)
         if record is None:
             return
         problem = _spec_problem(record, self.spec)

@@ -12,10 +12,8 @@ from torch import Tensor
 
 from plugintrain.checkpoint_files import LIGHTNING_METADATA, load_torch_file
 from plugintrain.formats.base import WeightFormatError
+from plugintrain.lora import RECORD_KEY as LORA_RECORD
 from plugintrain.model_zoo import CausalLM, TransformerConfig
-
-LORA_RECORD = "lora"
-"""Where an adapter checkpoint names its base (``plugintrain.callbacks.lora.RECORD_KEY``)."""
 
 PREFIX = "model."
 """``CausalLM`` holds its transformer as ``self.model``."""

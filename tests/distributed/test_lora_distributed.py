@@ -43,8 +43,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plugintrain import lora
 from plugintrain.callbacks import LoRA
-from plugintrain.callbacks.lora import RECORD_KEY, resume_base
+from plugintrain.callbacks.lora import resume_base
 from plugintrain.checkpoint_files import LIGHTNING_METADATA
+from plugintrain.lora import RECORD_KEY
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import HybridParallelStrategy, ZeroStrategy
