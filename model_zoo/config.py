@@ -2,7 +2,8 @@
 
 Layer choices are strings (``norm="rmsnorm"``, ``mlp="swiglu"``) so a config round-trips
 through YAML; :mod:`plugintrain.model_zoo.transformer` resolves them to modules. The family
-modules (``gpt2.py``, ``llama3.py``) register their presets with :func:`register_preset`.
+modules (``gpt2.py``, ``llama3.py``, ``qwen3.py``) register their presets with
+:func:`register_preset`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class RopeScaling:
 
 @dataclass
 class TransformerConfig:
-    """Architecture of a decoder-only transformer (GPT-2, Llama 3, ...).
+    """Architecture of a decoder-only transformer (GPT-2, Llama 3, Qwen3, ...).
 
     Build one from a preset with :meth:`from_name`, overriding any field.
     """
@@ -64,7 +65,8 @@ class TransformerConfig:
     name: str
     """Preset name, e.g. ``gpt2-124m`` or ``llama3.2-1b``."""
     family: str
-    """Model family (``gpt2`` or ``llama3``): picks the weight adapter and parallel plans."""
+    """Model family (``gpt2``, ``llama3`` or ``qwen3``): picks the weight adapter and parallel
+    plans."""
     vocab_size: int
     """Number of token ids the embedding and output layers cover."""
     block_size: int
@@ -77,6 +79,13 @@ class TransformerConfig:
     """Hidden size (model width)."""
     n_kv_head: int | None = None
     """Number of key/value heads for grouped-query attention; None means ``n_head`` (MHA)."""
+    head_size: int | None = None
+    """Channels per attention head; None means ``n_embd // n_head``. Qwen3 sets it apart from
+    the width (Qwen3-0.6B: 16 heads of 128 channels over ``n_embd=1024``), so the query and
+    attention-output width ``n_head * head_size`` need not be ``n_embd``."""
+    qk_norm: bool = False
+    """RMSNorm (epsilon ``norm_eps``, a weight of ``head_dim``) over each head's queries and
+    keys, after their projection and before RoPE (Qwen3)."""
     intermediate_size: int | None = None
     """Hidden size of the feed-forward network; None means ``4 * n_embd``."""
     bias: bool = True
@@ -102,7 +111,8 @@ class TransformerConfig:
     tokenizer: str | None = None
     """The tokenizer whose ids the model reads: ``gpt2``, ``llama3``, a pretrained name
     (``smollm2-135m``) or the path of a ``tokenizer.json``, Hugging Face directory or GGUF
-    file; None means the family's (``gpt2`` for GPT-2, ``llama3`` for Llama 3)."""
+    file; None means the family's (``gpt2`` for GPT-2, ``llama3`` for Llama 3; Qwen3 has none
+    built in: its Hugging Face directory brings it)."""
 
     def __post_init__(self) -> None:
         self._check_positive()
@@ -125,6 +135,8 @@ class TransformerConfig:
             "rope_theta": self.rope_theta,
             "init_std": self.init_std,
         }
+        if self.head_size is not None:
+            sizes["head_size"] = self.head_size
         bad = {key: value for key, value in sizes.items() if value <= 0}
         if bad:
             raise ValueError(f"{self.name}: these sizes must be positive, got {bad}.")
@@ -141,10 +153,10 @@ class TransformerConfig:
                 )
 
     def _check_heads(self) -> None:
-        if self.n_embd % self.n_head:
+        if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError(
                 f"{self.name}: n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                f"pick n_head among the divisors of n_embd."
+                f"pick n_head among the divisors of n_embd, or set head_size."
             )
         if self.n_head % self.kv_heads:
             raise ValueError(
@@ -154,9 +166,14 @@ class TransformerConfig:
 
     def _check_position(self) -> None:
         if self.position == "rope" and self.head_dim % 2:
+            source = (
+                f"head_size={self.head_size}"
+                if self.head_size is not None
+                else f"head_dim={self.head_dim} (n_embd={self.n_embd} / n_head={self.n_head})"
+            )
             raise ValueError(
-                f"{self.name}: RoPE rotates pairs of channels but head_dim={self.head_dim} "
-                f"(n_embd={self.n_embd} / n_head={self.n_head}) is odd; make head_dim even."
+                f"{self.name}: RoPE rotates pairs of channels but {source} is odd; make"
+                f" {'head_size' if self.head_size is not None else 'n_embd / n_head'} even."
             )
         if self.position != "rope" and self.rope_scaling is not None:
             raise ValueError(
@@ -166,8 +183,9 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head."""
-        return self.n_embd // self.n_head
+        """Channels per attention head, resolved (``n_embd // n_head`` when ``head_size`` is
+        None)."""
+        return self.n_embd // self.n_head if self.head_size is None else self.head_size
 
     @property
     def kv_heads(self) -> int:
@@ -231,10 +249,12 @@ class TransformerConfig:
         d, hs, f = self.n_embd, self.head_dim, self.ffn_dim
         bias = int(self.bias)  # one bias per output feature of each Linear
         qkv_out = hs * (self.n_head + 2 * self.kv_heads)
-        attention = d * qkv_out + d * d + bias * (qkv_out + d)
+        wo = self.n_head * hs * d  # from the concatenated heads back to the width
+        attention = d * qkv_out + wo + bias * (qkv_out + d)
+        qk_norms = 2 * hs if self.qk_norm else 0  # one RMSNorm weight for queries, one for keys
         n_in = 2 if self.mlp == "swiglu" else 1  # SwiGLU has a gate and an up projection
         ffn = (n_in + 1) * d * f + bias * (n_in * f + d)
-        return attention + ffn + 2 * self._norm_params()
+        return attention + qk_norms + ffn + 2 * self._norm_params()
 
     def _norm_params(self) -> int:
         with_bias = self.norm == "layernorm" and self.bias
@@ -243,17 +263,18 @@ class TransformerConfig:
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), for MFU.
 
-        ``6 * N + 12 * n_layer * n_embd * seq_len`` (PaLM paper, appendix B; nanoGPT's
-        ``estimate_mfu``): 6N counts the matmuls with the weights (2 FLOPs per multiply-add,
-        times 3 for forward plus backward), with N from ``num_params(include_embeddings=
-        False)``; the second term counts the attention scores and weighted values, whose
-        width is ``n_head * head_dim = n_embd`` also under GQA. Like those references it
+        ``6 * N + 12 * n_layer * n_head * head_dim * seq_len`` (PaLM paper, appendix B;
+        nanoGPT's ``estimate_mfu``): 6N counts the matmuls with the weights (2 FLOPs per
+        multiply-add, times 3 for forward plus backward), with N from ``num_params(
+        include_embeddings=False)``; the second term counts the attention scores and weighted
+        values, whose width is the query width ``n_head * head_dim`` (``n_embd`` unless
+        ``head_size`` sets it apart, as in Qwen3), also under GQA. Like those references it
         ignores causal masking, norms and softmax.
 
         Args:
             seq_len: Tokens per training sequence.
         """
-        attention = 12 * self.n_layer * self.n_embd * seq_len
+        attention = 12 * self.n_layer * self.n_head * self.head_dim * seq_len
         return 6 * self.num_params(include_embeddings=False) + attention
 
 

@@ -99,7 +99,18 @@ def hf_import_plan(config: TransformerConfig) -> Plan:
 
 def hf_export_plan(config: TransformerConfig) -> Plan:
     """Hugging Face ``GPT2LMHeadModel`` tensors from ours; the inverse of
-    :func:`hf_import_plan` (a tied head is left out, as ``save_pretrained`` does)."""
+    :func:`hf_import_plan` (a tied head is left out, as ``save_pretrained`` does).
+
+    Raises:
+        ValueError: If ``config`` has query/key norms or heads whose widths do not add up
+            to ``n_embd``: ``c_attn`` holds three ``n_embd``-wide projections, nothing else.
+    """
+    if config.qk_norm or config.n_head * config.head_dim != config.n_embd:
+        raise ValueError(
+            f"{config.name}: a Hugging Face GPT-2 needs n_head * head_dim == n_embd and no"
+            f" query/key norms, got n_head={config.n_head}, head_dim={config.head_dim},"
+            f" n_embd={config.n_embd}, qk_norm={config.qk_norm}; drop head_size and qk_norm."
+        )
     hf = "transformer."
     plan = renamed(
         {

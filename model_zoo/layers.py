@@ -117,8 +117,18 @@ class KVCache(nn.Module):
         return self.k[:B], self.v[:B]  # (B, nkv, max_seq_len, hs)
 
 
+QK_NORM_PLAN = {
+    "layers.*.attention.q_norm": "head_norm",
+    "layers.*.attention.k_norm": "head_norm",
+}
+"""Tensor-parallel plan entries of the query/key norms (``qk_norm``), for any family: after
+the column-parallel ``wq``/``wk`` each tp rank holds whole heads, so the norms run on the
+local heads (``head_norm``, see :func:`plugintrain.strategies.tensor_parallel.style`)."""
+
+
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads and optional rotary embeddings.
+    """Causal self-attention with grouped-query heads, optional rotary embeddings and
+    optional per-head query/key RMSNorm (``config.qk_norm``, Qwen3).
 
     Args:
         config: Model architecture.
@@ -133,6 +143,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d, config.kv_heads * hs, bias=config.bias)
         self.wv = nn.Linear(d, config.kv_heads * hs, bias=config.bias)
         self.wo = nn.Linear(config.n_head * hs, d, bias=config.bias)
+        self.q_norm = nn.RMSNorm(hs, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(hs, eps=config.norm_eps) if config.qk_norm else None
         self.resid_dropout = nn.Dropout(config.dropout)
         self.kv_cache: KVCache | None = None
 
@@ -150,9 +162,12 @@ class Attention(nn.Module):
             input_pos: Positions of the T tokens ``(T,)``; selects the KV cache path.
         """
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hs)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, nkv, hs)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.q_norm is not None:  # per head, over its hs channels (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if self.kv_cache is not None and input_pos is not None:

@@ -79,8 +79,7 @@ _llama3(
     ),
 )
 
-# Our name -> Hugging Face ``LlamaForCausalLM``'s, inside block ``{i}``.
-_BLOCK = {
+BLOCK_NAMES = {
     "attention_norm": "input_layernorm",
     "attention.wq": "self_attn.q_proj",
     "attention.wk": "self_attn.k_proj",
@@ -91,18 +90,26 @@ _BLOCK = {
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
 }
+"""Our module -> Hugging Face ``LlamaForCausalLM``'s, inside block ``{i}`` (Qwen3 adds its
+query/key norms to these)."""
 
 
-def hf_names(config: TransformerConfig) -> dict[str, str]:
+def hf_names(config: TransformerConfig, block: dict[str, str] = BLOCK_NAMES) -> dict[str, str]:
     """Our tensor name -> Hugging Face ``LlamaForCausalLM``'s. Both use the rotate-half
-    RoPE layout, so no weight is permuted; a tied head maps to the embedding."""
+    RoPE layout, so no weight is permuted; a tied head maps to the embedding.
+
+    Args:
+        config: The architecture.
+        block: Our module -> theirs inside each block (another family's superset of
+            :data:`BLOCK_NAMES`).
+    """
     names = {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
         "output.weight": "model.embed_tokens.weight" if config.tie_embeddings else "lm_head.weight",
     }
     for i in range(config.n_layer):
-        for ours, theirs in _BLOCK.items():
+        for ours, theirs in block.items():
             names[f"layers.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
     return names
 
@@ -113,7 +120,16 @@ def hf_import_plan(config: TransformerConfig) -> Plan:
 
 
 def hf_export_plan(config: TransformerConfig) -> Plan:
-    """Hugging Face ``LlamaForCausalLM`` tensors from ours (a tied head left out)."""
+    """Hugging Face ``LlamaForCausalLM`` tensors from ours (a tied head left out).
+
+    Raises:
+        ValueError: If ``config`` has query/key norms, which a Llama does not hold.
+    """
+    if config.qk_norm:
+        raise ValueError(
+            f"{config.name}: a Hugging Face Llama has no query/key norms, but qk_norm=True;"
+            " build the model as family 'qwen3' to export them."
+        )
     names = hf_names(config)
     if config.tie_embeddings:
         del names["output.weight"]
@@ -131,15 +147,17 @@ def from_hf_state_dict(
 def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
     """Our config for a Hugging Face ``LlamaConfig`` (as its ``config.json`` holds it).
 
+    A ``head_dim`` other than ``hidden_size / num_attention_heads`` becomes ``head_size``.
+
     Raises:
-        ValueError: For a Llama variant our model does not build (biases, a head size other
-            than ``hidden_size / num_attention_heads``, a RoPE type other than Llama 3's).
+        ValueError: For a Llama variant our model does not build (biases, another
+            activation, a RoPE type other than Llama 3's).
     """
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    heads, width = hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = hf.get("head_dim") or width // heads
     unsupported = {
         "attention_bias": hf.get("attention_bias", False),
         "mlp_bias": hf.get("mlp_bias", False),
-        "head_dim": head_dim if head_dim * hf["num_attention_heads"] != hf["hidden_size"] else None,
         "hidden_act": hf.get("hidden_act", "silu")
         if hf.get("hidden_act", "silu") != "silu"
         else None,
@@ -147,16 +165,17 @@ def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
     bad = {key: value for key, value in unsupported.items() if value}
     if bad:
         raise ValueError(f"{name}: plugintrain's Llama does not build {bad}.")
-    theta, scaling = _hf_rope(hf, name)
+    theta, scaling = hf_rope(hf, name)
     return TransformerConfig(
         name=name,
         family="llama3",
         vocab_size=hf["vocab_size"],
         block_size=hf.get("max_position_embeddings", 2048),
         n_layer=hf["num_hidden_layers"],
-        n_head=hf["num_attention_heads"],
-        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        n_embd=hf["hidden_size"],
+        n_head=heads,
+        n_kv_head=hf.get("num_key_value_heads") or heads,
+        n_embd=width,
+        head_size=head_dim if head_dim * heads != width else None,
         intermediate_size=hf["intermediate_size"],
         bias=False,
         norm="rmsnorm",
@@ -169,7 +188,7 @@ def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
     )
 
 
-def _hf_rope(hf: dict[str, Any], name: str) -> tuple[float, RopeScaling | None]:
+def hf_rope(hf: dict[str, Any], name: str) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling from ``rope_parameters`` (transformers 5) or the older
     ``rope_theta`` and ``rope_scaling`` keys."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -188,12 +207,16 @@ def _hf_rope(hf: dict[str, Any], name: str) -> tuple[float, RopeScaling | None]:
 
 def to_hf_config(config: TransformerConfig) -> dict[str, Any]:
     """The ``config.json`` of a Hugging Face ``LlamaForCausalLM`` with ``config``'s shape."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **hf_shape(config)}
+
+
+def hf_shape(config: TransformerConfig) -> dict[str, Any]:
+    """The ``config.json`` keys Hugging Face's Llama-like models (Llama, Qwen3) share: sizes,
+    norm, activation, no biases, tied head, RoPE."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         rope = {**rope, "rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
         "vocab_size": config.vocab_size,
         "hidden_size": config.n_embd,
         "intermediate_size": config.ffn_dim,

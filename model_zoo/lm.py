@@ -11,13 +11,14 @@ from lightning.pytorch.cli import OptimizerCallable
 from torchmetrics import Metric
 
 from plugintrain.data.token_bytes import TokenBytesSource
-from plugintrain.model_zoo import gpt2, llama3
+from plugintrain.model_zoo import gpt2, llama3, qwen3
 from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.layers import QK_NORM_PLAN
 from plugintrain.model_zoo.transformer import Transformer
 from plugintrain.portable_checkpoints import PortableCheckpoints
 
 # Model family -> its declarative tensor/sequence-parallel plan.
-_TP_PLANS = {"gpt2": gpt2.tp_plan, "llama3": llama3.tp_plan}
+_TP_PLANS = {"gpt2": gpt2.tp_plan, "llama3": llama3.tp_plan, "qwen3": qwen3.tp_plan}
 
 
 class _SummedNLL(Metric):
@@ -199,8 +200,11 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         _load_pretrained(self.model, self.config, self.weights)
 
     def tp_plan(self) -> dict[str, str]:
-        """The family's tensor-parallel plan, keyed by paths under this module (``model.*``)."""
-        plan = _TP_PLANS[self.config.family]()
+        """The family's tensor-parallel plan, keyed by paths under this module (``model.*``);
+        the query/key norms' entries follow ``config.qk_norm``, whatever the family."""
+        plan = {k: v for k, v in _TP_PLANS[self.config.family]().items() if k not in QK_NORM_PLAN}
+        if self.config.qk_norm:
+            plan |= QK_NORM_PLAN
         return {f"model.{pattern}": style for pattern, style in plan.items()}
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``z
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from plugintrain.strategies.blocks import RECOMPUTE_MODES, BlockOptions
 from plugintrain.strategies.grad_engine import (
     ELEMENTWISE_OPTIMIZERS,
     PARAMETER_SERVER,
@@ -54,9 +55,11 @@ STRATEGY_NAMES: tuple[str, ...] = tuple(
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
     "PARAMETER_SERVER",
+    "RECOMPUTE_MODES",
     "SCHEDULES",
     "STAGES",
     "STRATEGY_NAMES",
+    "BlockOptions",
     "GradientEngine",
     "HybridParallelStrategy",
     "ParallelDims",

@@ -353,9 +353,13 @@ _SCHEMES: dict[Stage, type[_AllReduce]] = {
 }
 
 
-def _pack_bucket(named: list[tuple[str, Tensor]], scheme: _AllReduce) -> _Bucket:
+def _pack_bucket(
+    named: list[tuple[str, Tensor]], scheme: _AllReduce, compiled: bool = False
+) -> _Bucket:
     """Move the parameters' data into one flat buffer (the ``Parameter`` objects stay, their
-    ``.data`` becomes a view) and make this rank's shard parameters of the owned range."""
+    ``.data`` becomes a view) and make this rank's shard parameters of the owned range.
+    With ``compiled``, DTensor local shards get storages of their own (see
+    :class:`GradientEngine`)."""
     numel = sum(_local(param).numel() for _, param in named)
     first = _local(named[0][1])
     padded = padded_numel(numel, scheme.world_size)
@@ -370,7 +374,7 @@ def _pack_bucket(named: list[tuple[str, Tensor]], scheme: _AllReduce) -> _Bucket
         view = flat[offset : offset + local.numel()]
         if view.data_ptr() != local.data_ptr():
             view.copy_(local.detach().reshape(-1))
-        local.data = view.view_as(local)
+        _rebind(param, view.view_as(local), compiled)
         bucket.entries.append(_make_entry(name, param, bucket, offset))
         offset += local.numel()
     if scheme.frees_grads and bucket.owned[1] > bucket.owned[0]:
@@ -608,6 +612,8 @@ class GradientEngine:
             collectives, smaller ones start communicating earlier in backward.
         overlap_comm: Launch each bucket's collective from the gradient hooks as soon as
             the bucket is complete; if ``False``, all are launched after backward.
+        compiled: The blocks are ``torch.compile``d: DTensor local shards get storages of
+            their own over their bucket memory (no copy; see :func:`_rebind`).
     """
 
     def __init__(
@@ -617,6 +623,7 @@ class GradientEngine:
         stage: Stage = 2,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
+        compiled: bool = False,
     ) -> None:
         validate_engine_args(stage, bucket_size_mb)
         named = [(name, param) for name, param in named_params if param.requires_grad]
@@ -628,7 +635,7 @@ class GradientEngine:
         self._scheme = _SCHEMES[stage](process_group)
         params = [param for _, param in named]
         self._buckets = [
-            _pack_bucket([named[i] for i in indices], self._scheme)
+            _pack_bucket([named[i] for i in indices], self._scheme, compiled)
             for indices in assign_buckets(params, bucket_size_mb)
         ]
         self._entries = {entry.param: entry for bucket in self._buckets for entry in bucket.entries}
@@ -851,6 +858,22 @@ class GradientEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _rebind(param: Tensor, view: Tensor, own_storage: bool) -> None:
+    """Make ``param``'s data (a DTensor's local shard) the bucket ``view``, through
+    ``.data``. With ``own_storage``, a DTensor's local shard instead gets a storage object
+    of its own over the view's memory (DLPack's, which keeps the bucket alive): torch
+    2.13's compiler fails on DTensor parameters whose local shards share one storage
+    ("Attempted to set the storage of a tensor on device cpu to a storage on different
+    device meta")."""
+    local = _local(param)
+    if not (own_storage and isinstance(param, DTensor)):
+        local.data = view
+        return
+    storage = torch.from_dlpack(view.detach()).untyped_storage()
+    with torch.no_grad():
+        local.set_(storage, 0, view.shape, view.stride())
 
 
 def _local(param: Tensor) -> Tensor:

@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from plugintrain.distributed import CallsModelBuiltHooks, GradientLayout
 from plugintrain.resume import init_restarted_process_group
+from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.checkpoint import load_dtensor_states
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.mesh import ParallelDims
@@ -73,9 +74,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
     into a vocabulary-parallel cross-entropy. Each dp rank reads its own batches;
     the tp and pp ranks of one replica read the same. Metrics are averaged over the
     world, which equals the dp average because tp and pp ranks hold identical losses.
-
-    With pp > 1 the steps go to a pipeline runtime; checkpoints are DCP directories that
-    reload under another layout (see the module's documentation).
+    Pipelining and checkpoints: see the module's documentation.
 
     Args:
         data_parallel: Data-parallel degree; ``"auto"``: world size / (tp x pp).
@@ -96,6 +95,10 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         bucket_size_mb: Gradient bucket size for ZeRO stage 0/1/2.
         overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2, no pp).
         wire_dtype: Dtype of the activations and gradients sent between pipeline stages.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
+            transformer block (:class:`~plugintrain.strategies.BlockOptions`).
+        every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
+        compile: ``torch.compile`` each transformer block (with tp, needs SP).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
         timeout: Timeout of the process group's collectives.
     """
@@ -117,9 +120,15 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         wire_dtype: torch.dtype | str = torch.float32,
+        activation_checkpointing: str = "none",
+        every_n_layers: int = 1,
+        compile: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        name = type(self).__name__
+        self.block_options = BlockOptions(activation_checkpointing, every_n_layers, compile, name)
+        self.block_options.check_tensor_parallel(tensor_parallel, sequence_parallel)
         super().__init__(
             data_parallel_size=data_parallel,
             tensor_parallel_size=tensor_parallel,
@@ -128,20 +137,15 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         )
         # Validated once here; the world size is filled in when it is known.
         self.parallel_dims = _requested_layout(
-            data_parallel,
-            tensor_parallel,
-            sequence_parallel,
-            pipeline_parallel,
-            virtual_pipeline_parallel,
-            expert_parallel,
-            zero_stage,
-        )
+            data_parallel, tensor_parallel, sequence_parallel, pipeline_parallel,
+            virtual_pipeline_parallel, expert_parallel, zero_stage,
+        )  # fmt: skip
         self.pipeline_options = PipelineOptions.resolve(
             self.parallel_dims, schedule, microbatches, layers_per_stage, wire_dtype
         )
         self.bucket_size_mb = bucket_size_mb
         self.overlap_comm = overlap_comm
-        self._binding = EngineBinding(type(self).__name__)
+        self._binding = EngineBinding(name)
         self._pipeline: PipelineRuntime | None = None
 
     @property
@@ -178,9 +182,8 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # Shard-first for a module that initializes its own shards (see `prepare_model`);
-        # any other is built whole with its own init, and the plan distributes tp rank 0's
-        # weights, the engine or FSDP2 dp rank 0's.
+        # Shard-first for a module that initializes its own shards (`prepare_model`); any
+        # other is built whole, and tp, the engine or FSDP2 distribute rank 0's weights.
         if empty_init is not False and builds_on_meta(self.lightning_module):
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
@@ -189,21 +192,23 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
             yield
 
     def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
-        """Raise if the model and data cannot run on this layout (see
-        :func:`~plugintrain.strategies.parallelize.check_model_fits`); ``plugintrain fit``
-        calls it before any process is launched."""
+        """Raise if the model and data cannot run on this layout (:func:`~plugintrain.
+        strategies.parallelize.check_model_fits`); ``fit`` calls it before any launch."""
         dims = self._layout_for(self.num_nodes * self.num_processes)
         check_model_fits(module, dims, self.pipeline_options, datamodule, type(self).__name__)
+        self.block_options.check(module, built=self.model is not None)  # built: in `setup`
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         module = self.lightning_module
         assert module is not None
-        self.check_model(module, trainer.datamodule)
+        self.check_model(module, trainer.datamodule)  # the whole model, before the split
         dims, mesh = self.dims, self.device_mesh
         fitting = trainer.state.fn == TrainerFn.FITTING
         options = self.pipeline_options
-        stages = prepare_model(module, dims, options, mesh, self.root_device, fitting)
+        stages = prepare_model(
+            module, dims, options, mesh, self.root_device, fitting, self.block_options
+        )
         super().setup(trainer)  # moves the model, builds the optimizers
         if fitting:
             self._setup_engine(module)
@@ -229,9 +234,8 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
 
     def _setup_engine(self, module: pl.LightningModule) -> None:
         dims = self.dims
-        engine = build_engine(
-            module, dims, self.device_mesh, self.bucket_size_mb, self.overlap_comm
-        )
+        mesh, compiled = self.device_mesh, self.block_options.compile
+        engine = build_engine(module, dims, mesh, self.bucket_size_mb, self.overlap_comm, compiled)
         if engine is None:
             return  # FSDP2 (ZeRO-3) reduces, and its DTensor gradients know their layout
         self._binding.check_clipping(module.trainer, self.precision_plugin)
@@ -328,11 +332,8 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="pp x tp (+ sp) x dp with ZeRO, on a DeviceMesh",
-        )
+        description = "pp x tp (+ sp) x dp with ZeRO, on a DeviceMesh"
+        strategy_registry.register(cls.strategy_name, cls, description=description)
 
 
 def _requested_layout(

@@ -1,10 +1,11 @@
 """Apply parallelism to a model from outside, in torchtitan's order.
 
 torchtitan's ``models/llama3/infra/parallelize.py`` applies, in a fixed order: tensor
-(+ sequence) parallelism by the model's declarative plan, then (in later issues)
-activation recomputation and compile, then data parallelism. These free functions do
-the same for any module: the tensor-parallel plan on ``mesh["tp"]``
-(:mod:`plugintrain.strategies.tensor_parallel`), then torch FSDP2 ``fully_shard`` for ZeRO
+(+ sequence) parallelism by the model's declarative plan, then activation recomputation
+and compile, then data parallelism. These free functions do the same for any module: the
+tensor-parallel plan on ``mesh["tp"]`` (:mod:`plugintrain.strategies.tensor_parallel`),
+recomputation and compile of each transformer block (:mod:`plugintrain.strategies.blocks`),
+then torch FSDP2 ``fully_shard`` for ZeRO
 stage 3, or our :class:`~plugintrain.strategies.GradientEngine` on ``mesh["dp"]`` for stage
 0/1/2 (bucketed all-reduce or reduce-scatter of the DTensors' local shards). The
 functions beside them describe the result: how many tp ranks hold each piece
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +34,7 @@ from plugintrain.distributed import (
     check_contract,
     default_gradient_layout,
 )
+from plugintrain.strategies.blocks import BlockOptions, transformer_blocks
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline import PipelineOptions, VirtualStage
@@ -45,9 +46,6 @@ from plugintrain.strategies.tensor_parallel import (
     vocab_parallel_loss,
 )
 
-# Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
-_BLOCK = re.compile(r"(.*\.)?layers\.\d+")
-
 
 def parallelize(
     module: nn.Module,
@@ -56,8 +54,9 @@ def parallelize(
     mesh: DeviceMesh,
     bucket_size_mb: float = 25.0,
     overlap_comm: bool = True,
+    blocks: BlockOptions | None = None,
 ) -> GradientEngine | None:
-    """Apply TP(+SP), then data parallelism, to ``module`` in place.
+    """Apply TP(+SP), recomputation and compile, then data parallelism, to ``module`` in place.
 
     Args:
         module: The model (or the LightningModule holding it); ``plan`` paths are relative
@@ -67,13 +66,18 @@ def parallelize(
         mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
         bucket_size_mb: Gradient bucket size of the engine (ZeRO stage 0/1/2).
         overlap_comm: Reduce buckets during backward (ZeRO stage 0/1/2).
+        blocks: Recomputation and compile of the transformer blocks; None: neither.
 
     Returns:
         The gradient engine for ZeRO stage 0/1/2 (attach the optimizer to it); None for
         FSDP2 (stage 3), whose optimizer steps the module's own sharded parameters.
     """
-    shard_model(module, plan, dims, mesh)
-    return build_engine(module, dims, mesh, bucket_size_mb, overlap_comm)
+    if blocks is not None:
+        blocks.check(module, built=True)
+        blocks.check_tensor_parallel(dims.tensor_parallel, dims.sequence_parallel)
+    shard_model(module, plan, dims, mesh, blocks=blocks)
+    compiled = blocks is not None and blocks.compile
+    return build_engine(module, dims, mesh, bucket_size_mb, overlap_comm, compiled)
 
 
 def shard_model(
@@ -82,8 +86,10 @@ def shard_model(
     dims: ParallelDims,
     mesh: DeviceMesh,
     fully_shard_dp: bool = True,
+    blocks: BlockOptions | None = None,
 ) -> None:
-    """The module-rewriting part of :func:`parallelize`: TP(+SP), then FSDP2 for stage 3.
+    """The module-rewriting part of :func:`parallelize`: TP(+SP), recomputation and
+    compile, then FSDP2 for stage 3.
 
     Args:
         module: As in :func:`parallelize`; with pipeline parallelism, this rank's split
@@ -92,6 +98,7 @@ def shard_model(
         dims: The degrees.
         mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
         fully_shard_dp: Apply FSDP2 when ``zero_stage == 3`` (False for evaluation).
+        blocks: Recomputation and compile of the transformer blocks; None: neither.
     """
     if dims.tp_enabled:
         if not plan:
@@ -106,6 +113,8 @@ def shard_model(
             dims.sequence_parallel,
             allow_missing=dims.pipeline_parallel > 1,
         )
+    if blocks is not None:
+        blocks.apply(module)
     if dims.fsdp_enabled and fully_shard_dp:
         _fully_shard(module, mesh["dp"])
 
@@ -117,13 +126,15 @@ def prepare_model(
     mesh: DeviceMesh,
     device: torch.device,
     fitting: bool,
+    blocks: BlockOptions | None = None,
 ) -> list[VirtualStage] | None:
     """Lay ``module`` out for this rank before Lightning moves it and builds optimizers.
 
     torchtitan's order: split the pipeline stages (keeping this rank's), apply TP(+SP),
-    then FSDP2 for ZeRO-3 when fitting; then allocate and initialize what this rank kept
-    if the module was built on the meta device (:func:`materialize`), and make the loss
-    vocabulary-parallel under tp. The gradient engine comes later (:func:`build_engine`).
+    recomputation and compile (``blocks``), then FSDP2 for ZeRO-3 when fitting; then
+    allocate and initialize what this rank kept if the module was built on the meta device
+    (:func:`materialize`), and make the loss vocabulary-parallel under tp. The gradient
+    engine comes later (:func:`build_engine`).
 
     Returns:
         This rank's virtual stages when pp > 1, else None.
@@ -131,7 +142,7 @@ def prepare_model(
     pipelined = dims.pipeline_parallel > 1
     stages = split_stages(module, dims, options, mesh) if pipelined else None
     plan = module.tp_plan() if dims.tp_enabled else None
-    shard_model(module, plan, dims, mesh, fully_shard_dp=fitting)
+    shard_model(module, plan, dims, mesh, fully_shard_dp=fitting, blocks=blocks)
     materialize(module, device)
     if dims.tp_enabled:
         module.loss_fn = vocab_parallel_loss(module.loss_fn)
@@ -204,11 +215,13 @@ def build_engine(
     mesh: DeviceMesh,
     bucket_size_mb: float = 25.0,
     overlap_comm: bool = True,
+    compiled: bool = False,
 ) -> GradientEngine | None:
     """Our gradient engine on the ``dp`` group for ZeRO stage 0/1/2; None for stage 3.
 
     Build it last: ``Module.to()`` re-sets the ``.data`` of DTensor parameters, after which
-    their gradient hooks no longer fire.
+    their gradient hooks no longer fire. ``compiled``: the blocks are compiled (see
+    :class:`~plugintrain.strategies.GradientEngine`).
     """
     if dims.fsdp_enabled:
         return None
@@ -218,12 +231,13 @@ def build_engine(
         stage=dims.zero_stage,
         bucket_size_mb=bucket_size_mb,
         overlap_comm=overlap_comm,
+        compiled=compiled,
     )
 
 
 def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
-    blocks = [m for name, m in module.named_modules() if _BLOCK.fullmatch(name)]
-    for block in blocks:
+    # Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
+    for _, block in transformer_blocks(module):
         fully_shard(block, mesh=dp_mesh)
     fully_shard(module, mesh=dp_mesh)  # the rest: embeddings, final norm, (tied) head
 

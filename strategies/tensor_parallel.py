@@ -105,7 +105,7 @@ def style(name: str, sequence_parallel: bool) -> ParallelStyle:
 
     Args:
         name: ``colwise``, ``rowwise``, ``vocab_embedding``, ``vocab_head``, ``tp_input``,
-            ``sequence_parallel`` or ``sequence_scatter``.
+            ``head_norm``, ``sequence_parallel`` or ``sequence_scatter``.
         sequence_parallel: Whether the residual stream is sharded over the sequence.
 
     Raises:
@@ -126,6 +126,11 @@ def style(name: str, sequence_parallel: bool) -> ParallelStyle:
             use_local_output=False,
         ),
         "tp_input": lambda: _tp_input(sequence_parallel),
+        # A norm over each head's channels (Qwen3's q_norm/k_norm) on the (B, T, nh, hs)
+        # output of a column-parallel wq/wk: each rank holds whole heads, so the input is
+        # Shard(2) and the norm runs locally; the replicated weight's gradient differs per
+        # rank: it is left Partial over tp and summed where it is reduced. With or without SP.
+        "head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
         "sequence_parallel": SequenceParallel,
         # Replicate -> Shard(1) is a local slice: no communication.
         "sequence_scatter": lambda: PrepareModuleInput(

@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from plugintrain.distributed import CallsModelBuiltHooks, GradientLayout
 from plugintrain.resume import init_restarted_process_group
+from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.checkpoint import load_weights
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.grad_engine import (
@@ -37,6 +38,17 @@ from plugintrain.strategies.grad_engine import (
 )
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+# The DDPStrategy arguments the Trainer fills in. The strategies name them instead of
+# taking **kwargs: LightningCLI would follow **kwargs into DDPStrategy's and on into
+# DistributedDataParallel's arguments, and pass every one of those.
+_PLUMBING = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
+             "precision_plugin")  # fmt: skip
+
+
+def _plumbing(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The Lightning plumbing among a constructor's ``locals()``."""
+    return {key: arguments[key] for key in _PLUMBING}
 
 
 class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
@@ -56,9 +68,11 @@ class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
         process_group_backend: str | None,
         timeout: timedelta | None,
         start_method: StartMethod,
+        block_options: BlockOptions,
         **kwargs: Any,
     ) -> None:
         validate_engine_args(engine_stage, bucket_size_mb)
+        self.block_options = block_options
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -81,9 +95,19 @@ class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
         """The gradient engine (exists while fitting, after ``setup``)."""
         return self._binding.engine
 
+    def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
+        """Raise if recomputation or compile is asked for a module without transformer
+        blocks; ``plugintrain fit`` calls it before any process is launched."""
+        self.block_options.check(module)
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._binding.check_clipping(trainer, self.precision_plugin)
+        # torchtitan's order: recompute and compile the blocks, then data parallelism
+        # (the engine, built in `configure_ddp`).
+        assert self.lightning_module is not None
+        self.block_options.check(self.lightning_module, built=True)
+        self.block_options.apply(self.lightning_module)
         super().setup(trainer)
 
     @override
@@ -192,13 +216,20 @@ class ZeroStrategy(_GradientEngineStrategy):
         bucket_size_mb: Target size of each flat gradient bucket in MiB.
         overlap_comm: Launch each bucket's collective during backward as soon as the bucket
             is complete, instead of after backward.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
+            transformer block in backward (see :class:`~plugintrain.strategies.blocks.
+            BlockOptions`).
+        every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
+        compile: ``torch.compile`` each transformer block (after recomputation).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
         timeout: Timeout of the process group's collectives.
         start_method: How Lightning launches the processes (``"popen"`` reruns the script,
             as ``ddp`` does; ``"spawn"``/``"fork"`` as ``ddp_spawn``/``ddp_fork``).
-        **kwargs: Lightning plumbing forwarded to ``DDPStrategy`` (``accelerator``,
-            ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
-            ``precision_plugin``).
+        accelerator: Lightning plumbing, forwarded to ``DDPStrategy`` (set by the Trainer).
+        parallel_devices: Lightning plumbing (set by the Trainer).
+        cluster_environment: Lightning plumbing (set by the Trainer).
+        checkpoint_io: Lightning plumbing (set by the Trainer).
+        precision_plugin: Lightning plumbing (set by the Trainer).
     """
 
     strategy_name = "zero"
@@ -208,11 +239,22 @@ class ZeroStrategy(_GradientEngineStrategy):
         stage: int = 2,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
+        activation_checkpointing: str = "none",
+        every_n_layers: int = 1,
+        compile: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
-        **kwargs: Any,
+        accelerator: Any = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
     ) -> None:
+        plumbing = _plumbing(locals())
+        blocks = BlockOptions(
+            activation_checkpointing, every_n_layers, compile, type(self).__name__
+        )
         if stage not in (0, 1, 2) or isinstance(stage, bool):
             raise ValueError(
                 f"ZeroStrategy(stage={stage!r}) is not supported: use stage=1 (shard optimizer"
@@ -226,7 +268,8 @@ class ZeroStrategy(_GradientEngineStrategy):
             process_group_backend,
             timeout,
             start_method,
-            **kwargs,
+            blocks,
+            **plumbing,
         )
 
     @classmethod
@@ -251,10 +294,19 @@ class ParameterServerStrategy(_GradientEngineStrategy):
         bucket_size_mb: Target size of each flat gradient bucket in MiB.
         overlap_comm: Launch each bucket's reduction during backward as soon as the bucket
             is complete, instead of after backward.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
+            transformer block in backward (see :class:`~plugintrain.strategies.blocks.
+            BlockOptions`).
+        every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
+        compile: ``torch.compile`` each transformer block (after recomputation).
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
         timeout: Timeout of the process group's collectives.
         start_method: How Lightning launches the processes (see :class:`ZeroStrategy`).
-        **kwargs: Lightning plumbing forwarded to ``DDPStrategy``.
+        accelerator: Lightning plumbing, as in :class:`ZeroStrategy`.
+        parallel_devices: Lightning plumbing.
+        cluster_environment: Lightning plumbing.
+        checkpoint_io: Lightning plumbing.
+        precision_plugin: Lightning plumbing.
     """
 
     strategy_name = PARAMETER_SERVER
@@ -263,11 +315,22 @@ class ParameterServerStrategy(_GradientEngineStrategy):
         self,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
+        activation_checkpointing: str = "none",
+        every_n_layers: int = 1,
+        compile: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
-        **kwargs: Any,
+        accelerator: Any = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
     ) -> None:
+        plumbing = _plumbing(locals())
+        blocks = BlockOptions(
+            activation_checkpointing, every_n_layers, compile, type(self).__name__
+        )
         super().__init__(
             PARAMETER_SERVER,
             bucket_size_mb,
@@ -275,7 +338,8 @@ class ParameterServerStrategy(_GradientEngineStrategy):
             process_group_backend,
             timeout,
             start_method,
-            **kwargs,
+            blocks,
+            **plumbing,
         )
 
     @classmethod

@@ -18,13 +18,13 @@ from torch import Tensor, nn
 
 from plugintrain.checkpoint_files import shape_mismatch
 from plugintrain.lora import is_adapter_name
-from plugintrain.model_zoo import gpt2, llama3
+from plugintrain.model_zoo import gpt2, llama3, qwen3
 from plugintrain.model_zoo.adapters import Plan
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.transformer import Transformer
 from plugintrain.tensor_boxes import local_box, select
 
-FAMILIES = {"gpt2": gpt2, "llama3": llama3}
+FAMILIES = {"gpt2": gpt2, "llama3": llama3, "qwen3": qwen3}
 """Model family -> its module (config mapping and import/export plans for Hugging Face)."""
 
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -171,8 +171,8 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
 
 
 ARCHITECTURE_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd",
-                       "ffn_dim", "bias", "norm", "mlp", "position", "rope_theta",
-                       "rope_scaling", "tie_embeddings")  # fmt: skip
+                       "head_dim", "ffn_dim", "bias", "norm", "mlp", "position", "rope_theta",
+                       "rope_scaling", "qk_norm", "tie_embeddings")  # fmt: skip
 """What must agree between a model's config and the weights loaded into it. The rest a run
 may choose: ``dropout``, a RoPE model's ``block_size`` (a learned position table's size is
 checked as a shape when the weights load)."""

@@ -1,12 +1,14 @@
-"""GGUF files (llama.cpp) of Llama- and GPT-2-architecture models, read and written with
-the ``gguf`` package.
+"""GGUF files (llama.cpp) of Llama-, Qwen3- and GPT-2-architecture models, read and
+written with the ``gguf`` package.
 
 Reading dequantizes one tensor at a time (F32, F16, BF16 and the common block types,
-:data:`READ_TYPES`) from the file's memory map. llama.cpp's converter permutes each
+:data:`READ_TYPES`) from the file's memory map. llama.cpp's converter permutes each Llama
 attention head's query and key rows from Hugging Face's rotate-half RoPE layout to the
 interleaved one its kernels use (``convert_hf_to_gguf.py``, ``LlamaModel.permute``); the
-reader undoes it, with the key/value head count for K, and the writer applies it. Llama
-3.1 RoPE scaling travels as llama.cpp's ``rope_freqs`` tensor (per-frequency divisors).
+reader undoes it, with the key/value head count for K, and the writer applies it. Qwen3
+runs llama.cpp's NEOX (rotate-half) RoPE, so its rows are stored as Hugging Face has them.
+Llama 3.1 RoPE scaling travels as llama.cpp's ``rope_freqs`` tensor (per-frequency
+divisors).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from torch import Tensor
 
 from plugintrain.checkpoint_files import first_line
 from plugintrain.data.gguf_metadata import GGUFTensorInfo, is_gguf, read_gguf_header
-from plugintrain.formats.base import WeightFormatError
-from plugintrain.model_zoo import gpt2, llama3
+from plugintrain.formats.base import FAMILIES, WeightFormatError
+from plugintrain.model_zoo import gpt2, llama3, qwen3
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
 from plugintrain.model_zoo.layers import rope_frequencies
 
@@ -45,6 +47,11 @@ _LLAMA_BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+_QWEN3_BLOCK = {
+    **_LLAMA_BLOCK,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GPT2_BLOCK = {  # GGUF name -> (Hugging Face name, stored transposed in Hugging Face)
     "attn_norm": ("ln_1", False),
@@ -89,20 +96,26 @@ class _Link:
         return permute_for_gguf(tensor, self.heads) if self.heads is not None else tensor
 
 
+ARCHITECTURES = {"llama3": "llama", "qwen3": "qwen3", "gpt2": "gpt2"}
+"""Our family -> its GGUF ``general.architecture``."""
+
+
 def _links(config: TransformerConfig, arch: str) -> dict[str, _Link]:
     """Hugging Face name -> its GGUF tensor, for every tensor of ``config``'s model."""
-    return _llama_links(config) if arch == "llama" else _gpt2_links(config)
+    return _gpt2_links(config) if arch == "gpt2" else _rope_links(config, arch)
 
 
-def _llama_links(config: TransformerConfig) -> dict[str, _Link]:
+def _rope_links(config: TransformerConfig, arch: str) -> dict[str, _Link]:
+    """Llama's and Qwen3's tensors; only Llama's query/key rows are permuted."""
     links = {
         "model.embed_tokens.weight": _Link("token_embd.weight"),
         "model.norm.weight": _Link("output_norm.weight"),
         "lm_head.weight": _Link("output.weight"),
     }
-    heads = {"attn_q": config.n_head, "attn_k": config.kv_heads}
+    llama = arch == "llama"
+    heads = {"attn_q": config.n_head, "attn_k": config.kv_heads} if llama else {}
     for i in range(config.n_layer):
-        for kind, module in _LLAMA_BLOCK.items():
+        for kind, module in (_LLAMA_BLOCK if llama else _QWEN3_BLOCK).items():
             links[f"model.layers.{i}.{module}.weight"] = _Link(
                 f"blk.{i}.{kind}.weight", heads=heads.get(kind)
             )
@@ -142,14 +155,14 @@ class GGUFFileReader:
                 " export it again."
             ) from None
         self.arch = self._field("general.architecture")
-        if self.arch not in ("llama", "gpt2"):
+        if self.arch not in ARCHITECTURES.values():
             raise WeightFormatError(
                 f"{path}: GGUF architecture {self.arch!r} is not supported; plugintrain"
-                " imports 'llama' (Llama 2/3, SmolLM, ...) and 'gpt2'."
+                " imports 'llama' (Llama 2/3, SmolLM, ...), 'qwen3' (dense) and 'gpt2'."
             )
         self._check_tensors()
         self._map = np.memmap(path, dtype=np.uint8, mode="r")
-        self.config = self._llama_config() if self.arch == "llama" else self._gpt2_config()
+        self.config = self._gpt2_config() if self.arch == "gpt2" else self._rope_config()
         self.tokenizer = str(path) if "tokenizer.ggml.tokens" in self._fields else None
         self._names = self._hf_names()
 
@@ -176,17 +189,15 @@ class GGUFFileReader:
                     f" {size} bytes; download or export it again."
                 )
 
-    def _llama_config(self) -> TransformerConfig:
-        key = "llama."
+    def _rope_config(self) -> TransformerConfig:
+        """A llama or qwen3 file's architecture (Llama 3 scaling from ``rope_freqs``)."""
+        key = f"{self.arch}."
         heads = self._field(f"{key}attention.head_count")
         width = self._field(f"{key}embedding_length")
-        rope_dims = self._field(f"{key}rope.dimension_count", width // heads)
-        if rope_dims != width // heads:
-            raise WeightFormatError(
-                f"{self.path}: rope.dimension_count={rope_dims} rotates part of each"
-                f" {width // heads}-channel head; plugintrain's Llama rotates whole heads."
-            )
-        config = llama3.from_hf_config(
+        head_dim = self._field(f"{key}attention.key_length", width // heads)
+        self._check_head_dims(key, head_dim)
+        family = llama3 if self.arch == "llama" else qwen3
+        config = family.from_hf_config(
             {
                 "vocab_size": self._vocab_size(),
                 "max_position_embeddings": self._field(f"{key}context_length", 2048),
@@ -194,6 +205,7 @@ class GGUFFileReader:
                 "num_attention_heads": heads,
                 "num_key_value_heads": self._field(f"{key}attention.head_count_kv", heads),
                 "hidden_size": width,
+                "head_dim": head_dim,
                 "intermediate_size": self._field(f"{key}feed_forward_length"),
                 "rms_norm_eps": self._field(f"{key}attention.layer_norm_rms_epsilon", 1e-5),
                 "rope_theta": self._field(f"{key}rope.freq_base", 10000.0),
@@ -201,8 +213,23 @@ class GGUFFileReader:
             },
             self.path.stem,
         )
+        if self.arch != "llama":
+            return config
         original = self._field(f"{key}rope.scaling.original_context_length", 8192)
         return _with_rope_scaling(config, self._rope_freqs(), original, self.path)
+
+    def _check_head_dims(self, key: str, head_dim: int) -> None:
+        """RoPE turns each whole head, and values are as wide as keys (one ``head_dim``)."""
+        dims = {
+            "rope.dimension_count": self._field(f"{key}rope.dimension_count", head_dim),
+            "attention.value_length": self._field(f"{key}attention.value_length", head_dim),
+        }
+        bad = {name: value for name, value in dims.items() if value != head_dim}
+        if bad:
+            raise WeightFormatError(
+                f"{self.path}: {bad} differ from the {head_dim}-channel heads; plugintrain"
+                " rotates whole heads and builds values as wide as keys."
+            )
 
     def _gpt2_config(self) -> TransformerConfig:
         key = "gpt2."
@@ -302,7 +329,7 @@ def write_gguf(weights: Any, out: Path, kind: str) -> None:
     the tokenizer fields when the weights came from a GGUF with one, and each tensor in
     ``kind`` (:data:`WRITE_TYPES`; 1-D tensors stay F32), one tensor at a time."""
     config = weights.config
-    arch = {"llama3": "llama", "gpt2": "gpt2"}[config.family]
+    arch = ARCHITECTURES[config.family]
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(config.name)
     _add_architecture(writer, arch, config)
@@ -370,6 +397,9 @@ def _add_architecture(writer: Any, arch: str, config: TransformerConfig) -> None
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_rope_dimension_count(config.head_dim)
+    # llama.cpp takes n_embd / n_head per head unless told (Qwen3's heads are wider).
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     if config.rope_scaling is not None:
         writer.add_rope_scaling_orig_ctx_len(config.rope_scaling.original_max_position_embeddings)
 
@@ -412,7 +442,7 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 def _gguf_plan(weights: Any, arch: str) -> dict[str, tuple[tuple[int, ...], Any]]:
     """GGUF name -> (shape in numpy order, a function reading that tensor)."""
     config = weights.config
-    plan = (llama3 if arch == "llama" else gpt2).hf_export_plan(config)
+    plan = FAMILIES[config.family].hf_export_plan(config)
     links = _links(config, arch)
 
     def read(hf_name: str) -> Tensor:

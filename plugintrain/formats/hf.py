@@ -29,7 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 MAX_SHARD_BYTES = 5 * 2**30
 """Hugging Face's default shard size: larger exports are split, with an index."""
 
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama3"}
+_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama3", "qwen3": "qwen3"}
 """Hugging Face ``model_type`` -> our family."""
 
 
@@ -52,7 +52,7 @@ class HFReader:
         if model_type not in _MODEL_TYPES:
             raise WeightFormatError(
                 f"{path / CONFIG}: model_type {model_type!r} is not supported; plugintrain"
-                f" imports {sorted(_MODEL_TYPES)} (GPT-2 and Llama)."
+                f" imports {sorted(_MODEL_TYPES)} (GPT-2, Llama and dense Qwen3)."
             )
         family = FAMILIES[_MODEL_TYPES[model_type]]
         try:
@@ -99,7 +99,8 @@ class HFReader:
         return self._open[file]
 
     def names(self) -> list[str]:
-        """Tensor names, as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` state dicts have them."""
+        """Tensor names, as ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+        ``Qwen3ForCausalLM`` state dicts have them."""
         return list(self._files)
 
     def _raw_name(self, file: Path, name: str) -> str:

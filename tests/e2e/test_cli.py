@@ -43,6 +43,8 @@ def test_recipes_cover_the_issue() -> None:
         "llama3_debug_shakespeare_cpu",
         "smollm2_lora_shakespeare_cpu",
         "llama3_1b_lora_shakespeare",
+        "qwen3_debug_shakespeare_cpu",
+        "qwen3_0.6b_shakespeare",
     } <= names
 
 
@@ -187,15 +189,24 @@ def test_generate_from_checkpoint(gpt2_run: Path) -> None:
     assert sample["text"].startswith("ROMEO:")
 
 
-def test_llama3_recipe_fits(shakespeare_llama3: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "tokens"),
+    [
+        ("llama3_debug_shakespeare_cpu", "shakespeare_llama3"),
+        ("qwen3_debug_shakespeare_cpu", "shakespeare_gpt2"),  # selective recomputation
+    ],
+)
+def test_debug_recipe_fits(
+    recipe: str, tokens: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     run_cli(
-        "fit", "--config", str(RECIPES / "llama3_debug_shakespeare_cpu.yaml"),
-        f"--data.init_args.data_dir={shakespeare_llama3}",
+        "fit", "--config", str(RECIPES / f"{recipe}.yaml"),
+        f"--data.init_args.data_dir={request.getfixturevalue(tokens)}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.max_steps=2", *FAST,
         cwd=REPO,
     )  # fmt: skip
-    losses = logged_losses(tmp_path / "llama3_debug_shakespeare_cpu" / "version_0", "train_loss")
+    losses = logged_losses(tmp_path / recipe / "version_0", "train_loss")
     assert len(losses) == 2
 
 

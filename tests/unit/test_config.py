@@ -34,7 +34,7 @@ def test_analytic_count_matches_built_model(name):
 
 
 def test_every_family_has_a_debug_preset():
-    assert {"gpt2-debug", "llama3-debug"} <= set(TransformerConfig.presets())
+    assert {"gpt2-debug", "llama3-debug", "qwen3-debug"} <= set(TransformerConfig.presets())
 
 
 def test_non_embedding_count_is_nanogpt_convention():

@@ -114,3 +114,19 @@ def test_llama3_adapter_ties_output_to_embeddings():
     converted = llama3.from_hf_state_dict(sd, config)
     assert converted["output.weight"] is converted["tok_embeddings.weight"]
     Transformer(config).load_state_dict(converted)
+
+
+def test_llama3_with_a_head_size_apart_from_the_width_matches_hugging_face():
+    """A Llama whose ``head_dim`` is not ``hidden_size / num_attention_heads`` (4 heads of
+    32 over a width of 64) imports with ``head_size`` set and gives transformers' logits."""
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+    )  # fmt: skip
+    hf_model = transformers.LlamaForCausalLM(hf_config)
+    config = llama3.from_hf_config(hf_config.to_dict(), "llama-wide-heads")
+    assert (config.head_size, config.head_dim, config.n_embd) == (32, 32, 64)
+    ours = Transformer(config)
+    ours.load_state_dict(llama3.from_hf_state_dict(hf_model.state_dict(), config))
+    _assert_same_logits(hf_model, ours, config.vocab_size)
