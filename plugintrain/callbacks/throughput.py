@@ -7,7 +7,10 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from typing_extensions import override
+
+from plugintrain.peak_flops import device_peak_flops
 
 
 def _samples_in_batch(batch: Any) -> int:
@@ -27,9 +30,10 @@ class TokenThroughputMonitor(ThroughputMonitor):
     """Lightning's ``ThroughputMonitor`` set up for ``(inputs, targets)`` batches.
 
     Logs ``train|validate/{batches,samples,items}_per_sec`` (items are tokens for language
-    models) and, when the module exposes ``flops_per_batch`` and the device's peak FLOP/s
-    is known (CUDA), ``.../mfu``. Keeping Lightning's class means its dtype-aware peak
-    FLOP/s lookup and per-device/global split keep working under every strategy.
+    models) and, when the module exposes ``flops_per_batch`` and the device's dense peak
+    FLOP/s is known (:mod:`plugintrain.peak_flops`; CUDA), ``.../mfu``. Keeping
+    Lightning's class keeps its per-device/global split (and its peak FLOP/s lookup for
+    devices the dense table does not cover) working under every strategy.
 
     Under tensor or pipeline parallelism the ``tp x pp`` ranks of one data-parallel
     replica process the same batch, so global figures count replicas, not ranks, and MFU
@@ -53,11 +57,15 @@ class TokenThroughputMonitor(ThroughputMonitor):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        # Dense peaks for CUDA devices (plugintrain.peak_flops), Lightning's elsewhere.
+        dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+        peak = device_peak_flops(trainer.strategy.root_device, dtype) or self.available_flops
         replicas = _data_parallel_replicas(trainer)
         for throughput in self._throughputs.values():
             throughput.world_size = replicas
-            if throughput.available_flops is not None:
-                throughput.available_flops *= trainer.world_size // replicas
+            throughput.available_flops = (
+                None if peak is None else peak * (trainer.world_size // replicas)
+            )
 
 
 def _data_parallel_replicas(trainer: Trainer) -> int:
