@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _dtensors import full_grads, full_params
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
@@ -116,25 +117,7 @@ def _reference(preset: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"grads": grads, "losses": losses, "params": _full_params(model)}
-
-
-def _full(tensor: Tensor) -> Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _full_params(model: nn.Module) -> dict[str, Tensor]:
-    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
-
-
-def _full_grads(model: nn.Module) -> dict[str, Tensor]:
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad
-        if isinstance(grad, DTensor):  # Partial (SP norm weights) or sharded
-            grad = grad.redistribute(param.device_mesh, param.placements).full_tensor()
-        grads[name] = grad.clone()
-    return grads
+    return {"grads": grads, "losses": losses, "params": full_params(model)}
 
 
 def _tp_grads(case: Case, mesh: Any) -> dict[str, Tensor]:
@@ -145,7 +128,7 @@ def _tp_grads(case: Case, mesh: Any) -> dict[str, Tensor]:
     loss = vocab_parallel_loss(_loss)(model(x), y)
     with loss_parallel():
         loss.backward()
-    return _full_grads(model)
+    return full_grads(model)
 
 
 def _train(case: Case, dims: ParallelDims, mesh: Any) -> dict[str, Any]:
@@ -172,7 +155,7 @@ def _train(case: Case, dims: ParallelDims, mesh: Any) -> dict[str, Any]:
         losses.append(mean.item() / dp)
     return {
         "losses": losses,
-        "params": _full_params(model),
+        "params": full_params(model),
         "state_bytes": state_bytes,
         "first_grad_norm": norms[0].item(),
     }
@@ -234,7 +217,7 @@ def _lightning_fit(case: Case, strategy: Any = "auto", dp_rank: int = 0) -> dict
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH // dp, sampler=sampler))
-    return {n: _full(p.detach()).clone() for n, p in module.named_parameters()}
+    return full_params(module)
 
 
 def _lightning_cases(rank: int, world_size: int, cases: list[Case]) -> dict[Case, dict]:

@@ -32,6 +32,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from _dtensors import full
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
@@ -78,11 +79,6 @@ ENGINE_LAYOUTS = ("zero2", "hybrid", "pipeline")
 MERGE_LAYOUTS = ("hybrid", "pipeline", "fsdp2")
 
 
-def _full(tensor: Tensor) -> Tensor:
-    tensor = tensor.detach()
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).clone()
-
-
 def _local(tensor: Tensor) -> Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -103,7 +99,7 @@ class _Probe(Callback):
         self.frozen_with_grad: set[str] = set()
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.initial = {n: _full(p) for n, p in pl_module.named_parameters() if not p.requires_grad}
+        self.initial = {n: full(p) for n, p in pl_module.named_parameters() if not p.requires_grad}
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
@@ -163,8 +159,8 @@ def _fit(layout: str | None, rank: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {
         "losses": probe.losses,
         "trainable": sorted(n for n, p in named.items() if p.requires_grad),
-        "adapters": {n: _full(p) for n, p in named.items() if lora.is_adapter_name(n)},
-        "frozen": {n: _full(p) for n, p in named.items() if not p.requires_grad},
+        "adapters": {n: full(p) for n, p in named.items() if lora.is_adapter_name(n)},
+        "frozen": {n: full(p) for n, p in named.items() if not p.requires_grad},
         "initial_frozen": probe.initial,
         "stepped_with_grad": sorted(probe.stepped_with_grad),
         "frozen_with_grad": sorted(probe.frozen_with_grad),
@@ -196,7 +192,7 @@ def _merge(module: torch.nn.Module) -> dict[str, Any]:
         "collective_names": sorted(str(op).split(".")[-1] for op in comm.get_comm_counts()),
         "shapes_before": shapes,
         "shapes_after": {p: tuple(_local(layer.weight).shape) for p, layer in layers.items()},
-        "weights": {f"{p}.weight": _full(layer.weight) for p, layer in layers.items()},
+        "weights": {f"{p}.weight": full(layer.weight) for p, layer in layers.items()},
         "merged_flags": [layer.merged for layer in layers.values()],
     }
 
@@ -410,7 +406,7 @@ def _repeated_data() -> TensorDataset:
 
 
 def _adapters(module: torch.nn.Module) -> dict[str, Tensor]:
-    return {n: _full(p) for n, p in module.named_parameters() if lora.is_adapter_name(n)}
+    return {n: full(p) for n, p in module.named_parameters() if lora.is_adapter_name(n)}
 
 
 class _Snapshots(Callback):

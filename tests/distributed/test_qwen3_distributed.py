@@ -18,7 +18,8 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from _dtensors import full_grads, full_params
+from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
@@ -77,26 +78,12 @@ def _adamw(params: list[Tensor]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-5)
 
 
-def _full(tensor: Tensor) -> Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _full_grads(model: nn.Module) -> dict[str, Tensor]:
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad
-        if isinstance(grad, DTensor):  # Partial (norm weights) or sharded
-            grad = grad.redistribute(param.device_mesh, param.placements).full_tensor()
-        grads[name] = grad.clone()
-    return grads
-
-
 def _reference() -> dict[str, Any]:
     """One process: the first step's gradients, then the losses of STEPS AdamW steps."""
     model = _model()
     x, y = _batches()[0]
     _loss(model(x), y).backward()
-    grads = _full_grads(model)
+    grads = full_grads(model)
     model.zero_grad()
     optimizer = _adamw(list(model.parameters()))
     losses = []
@@ -120,7 +107,7 @@ def _tp_grads(sp: bool, mesh: Any) -> dict[str, Any]:
         loss.backward()
     norm = model.layers["0"].attention.q_norm.weight
     placements = tuple(norm.placements) if isinstance(norm, DTensor) else None
-    return {"grads": _full_grads(model), "placements": placements}
+    return {"grads": full_grads(model), "placements": placements}
 
 
 def _train(dims: ParallelDims, mesh: Any) -> list[float]:
@@ -191,7 +178,7 @@ def _lightning_fit(strategy: Any = "auto") -> dict[str, Any]:
         enable_model_summary=False, callbacks=[_Losses()],
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=GLOBAL_BATCH))
-    params = {n: _full(p.detach()).clone() for n, p in module.named_parameters()}
+    params = full_params(module)
     return {"losses": losses, "params": params}
 
 

@@ -20,9 +20,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from _dtensors import full_params
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plugintrain.memory import LiveTensorMemory
@@ -82,10 +81,6 @@ class _FirstStepPeak(Callback):
             self.peak, self.memory = self.memory.peak_bytes, None
 
 
-def _full(tensor: Tensor) -> Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _fit(strategy: Any = "auto", dp: int = 1, dp_rank: int = 0) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     optimizer = functools.partial(torch.optim.SGD, lr=0.5)
@@ -100,7 +95,7 @@ def _fit(strategy: Any = "auto", dp: int = 1, dp_rank: int = 0) -> dict[str, Any
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(module, DataLoader(data, batch_size=BATCH // dp, sampler=sampler))
-    weights = {n: _full(p.detach()).clone() for n, p in module.named_parameters()}
+    weights = full_params(module)
     return {"weights": weights, "peak": peak.peak}
 
 
