@@ -41,8 +41,13 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The CPU benchmark matrix (about 12 minutes on two cores): JSON, Markdown and plots under
+# runs/bench/. On a GPU machine: make bench MATRIX=benchmarks/gpu.yaml
+MATRIX ?= benchmarks/cpu.yaml
 bench: setup
-	$(BIN)/python benchmarks/framework_overhead.py
+	$(BIN)/plugintrain prepare shakespeare --tokenizer gpt2
+	$(BIN)/plugintrain prepare shakespeare --tokenizer llama3
+	$(BIN)/plugintrain bench --matrix $(MATRIX)
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache .ruff_cache

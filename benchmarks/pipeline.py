@@ -85,7 +85,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -93,6 +93,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from plugintrain.bench.baselines import StageModule
 from plugintrain.model_zoo import Transformer, TransformerConfig
 from plugintrain.strategies.pipeline import PipelineExecutor, VirtualStage, split_model
 from plugintrain.strategies.pipeline_schedules import build_schedule, simulate
@@ -118,27 +119,6 @@ def _build(
 ) -> list[VirtualStage]:
     torch.manual_seed(0)
     return split_model(Transformer(config), rank, pp, vpp, layers if vpp == 1 else None)
-
-
-class _StageModule(nn.Module):
-    """One chunk as the ``nn.Module`` torch's ``PipelineStage`` wants.
-
-    Registers only the chunk's own modules, so ``parameters()`` (which torch's schedules
-    scale by ``1 / microbatches``) holds no other chunk's weights.
-    """
-
-    def __init__(self, chunk: VirtualStage, seq_len: int) -> None:
-        super().__init__()
-        model = chunk.model
-        self.chunk = chunk  # a dataclass, not a module: stored as a plain attribute
-        self.seq_len = seq_len
-        self.layers = nn.ModuleList(model.layers[key] for key in chunk.layer_keys)
-        self.tok_embeddings = model.tok_embeddings if chunk.is_first else None
-        self.norm = model.norm if chunk.is_last else None
-        self.output = model.output if chunk.is_last else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.chunk(x, self.seq_len)
 
 
 class ActivationMeter:
@@ -205,7 +185,7 @@ class _Pair:
         self.executor = PipelineExecutor(
             self.ours_chunks, name, pp, vpp, m, rank, None, _loss, config.n_embd
         )
-        self.modules = [_StageModule(c, args.seq_len) for c in self.torch_chunks]
+        self.modules = [StageModule(c, args.seq_len) for c in self.torch_chunks]
         device = torch.device("cpu")
         stages = [PipelineStage(mod, c.index, pp * vpp, device) for mod, c in zip(
             self.modules, self.torch_chunks, strict=True

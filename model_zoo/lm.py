@@ -85,11 +85,17 @@ class EvalMetrics(torch.nn.Module):
     def update(self, loss: torch.Tensor, targets: torch.Tensor) -> dict[str, Metric]:
         """Add a batch of mean loss ``loss`` over ``targets``; returns the metrics to log."""
         self.ppl.update(loss, targets.numel())
-        if self.token_bytes is None:
+        token_bytes = self.bytes_on(targets.device)
+        if token_bytes is None:
             return {"ppl": self.ppl}
-        self.token_bytes = self.token_bytes.to(targets.device)  # copied once, then a no-op
-        self.bpb.update(loss, targets, self.token_bytes)
+        self.bpb.update(loss, targets, token_bytes)
         return {"ppl": self.ppl, "bpb": self.bpb}
+
+    def bytes_on(self, device: torch.device) -> torch.Tensor | None:
+        """``token_bytes`` on ``device`` (copied once, then a no-op), None if unknown."""
+        if self.token_bytes is not None:
+            self.token_bytes = self.token_bytes.to(device)
+        return self.token_bytes
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
@@ -218,7 +224,8 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
     def training_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
     ) -> torch.Tensor:
-        """Next-token loss on ``(x, y)`` int64 ``(B, T)``; logs ``train_loss``."""
+        """Next-token loss on ``(x, y)`` int64 ``(B, T)``; logs ``train_loss``, ``train_ppl``
+        and, given the bytes per token, ``train_bpb``."""
         x, y = batch
         loss = self.loss_fn(self(x), y)
         self.record_loss("train", loss, batch)
@@ -251,7 +258,12 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         if stage == "train":
             per_token = self.config.flops_per_token(x.size(1)) + self.flops_per_token_adjustment
             self.flops_per_batch = per_token * x.numel()
+            # This rank's batch, as Lightning logs a step's loss: ppl and bpb of the same one.
             self.log("train_loss", loss, prog_bar=True)
+            self.log("train_ppl", loss.detach().exp())
+            token_bytes = self.eval_metrics["val"].bytes_on(y.device)
+            if token_bytes is not None:
+                self.log("train_bpb", _bits_per_byte(loss.detach(), y, token_bytes))
             return
         self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
         for name, metric in self.eval_metrics[stage].update(loss, y).items():
@@ -277,9 +289,11 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
             min_lr_ratio=self.min_lr_ratio,
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        # Named so LearningRateMonitor logs `lr/pg1` (matrices) and `lr/pg2` (biases, norms)
+        # whatever the optimizer class (it would log `lr-AdamW/pg1`).
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"},
         }
 
     def _param_groups(self) -> list[dict]:
@@ -413,6 +427,13 @@ def _resolve_config(
         return config
     tokenizer = weights if weights in PRETRAINED_MODELS else found.tokenizer
     return dataclasses.replace(found.config, tokenizer=tokenizer)
+
+
+def _bits_per_byte(
+    loss: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor
+) -> torch.Tensor:
+    """Bits per UTF-8 byte of ``targets`` whose mean token NLL is ``loss`` (nats)."""
+    return loss * targets.numel() / (math.log(2) * token_bytes[targets].sum().clamp(min=1))
 
 
 def _token_bytes_of(datamodule: L.LightningDataModule | None) -> torch.Tensor | None:

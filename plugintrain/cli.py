@@ -28,7 +28,13 @@ from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 import plugintrain.strategies  # noqa: F401  (registers zero1/zero2/... with Lightning)
-from plugintrain.callbacks import CountedFlopsSummary, StepProgressBar, TokenThroughputMonitor
+from plugintrain.callbacks import (
+    CountedFlopsSummary,
+    PhaseProfiler,
+    StepProgressBar,
+    StepStatsMonitor,
+    TokenThroughputMonitor,
+)
 from plugintrain.callbacks.lora import resume_base
 from plugintrain.cli_usage import (
     ConfigError,
@@ -147,16 +153,29 @@ def _display_callbacks(config: dict[str, Any], callbacks: list[Callback]) -> lis
     return shown
 
 
+def _phase_profiler(enabled: bool, config: dict[str, Any]) -> list[Callback]:
+    """A :class:`PhaseProfiler` with its defaults for ``--profile_phases``, unless the
+    configured callbacks already hold one."""
+    given = config.get("callbacks") or []
+    given = given if isinstance(given, list) else [given]
+    if not enabled or any(isinstance(c, PhaseProfiler) for c in given):
+        return []
+    return [PhaseProfiler()]
+
+
 class PluginTrainCLI(LightningCLI):
     """LightningCLI with plugintrain's defaults.
 
     Always present (configurable under their own keys): ``checkpoint`` (ModelCheckpoint,
-    keeps ``last.ckpt``), ``lr_monitor`` and ``throughput``. The logger defaults to
+    keeps ``last.ckpt``), ``lr_monitor``, ``throughput`` and ``step_stats`` (grad norm, loss
+    scale, peak memory). The logger defaults to
     TensorBoard under ``runs/``, and the resolved ``config.yaml`` is saved beside the logs.
     Checkpoints go to ``<save_dir>/<name>/checkpoints`` (shared by the logger's versions,
     so ``--ckpt_path last`` resumes the newest run). The model's ``vocab_size`` and
     ``max_seq_len`` are linked into the datamodule so token files are checked against the
     model before training starts, and so is the tokenizer the token files were made with.
+    ``--profile_phases true`` adds a :class:`~plugintrain.callbacks.PhaseProfiler` (a
+    Chrome trace per rank and a per-phase table; ``--trainer.profiler`` selects Lightning's).
     ``trainer.precision`` names (``32-true``, ``bf16-true``, ``bf16-mixed``, ``16-mixed``)
     select plugintrain's precision plugins, and importing this module registers
     plugintrain's strategy names; ``--help`` lists both.
@@ -204,8 +223,18 @@ class PluginTrainCLI(LightningCLI):
             help="Model options to take from this run, not from --ckpt_path's checkpoint.",
         )
         parser.set_defaults({"checkpoint.save_last": True})
+        parser.add_argument(
+            "--profile_phases",
+            type=bool,
+            default=False,
+            help="Profile forward, backward, optimizer and communication per rank"
+            " (plugintrain.callbacks.PhaseProfiler with its defaults; configure it under"
+            " trainer.callbacks for others): Chrome traces in the log directory and a"
+            " per-phase table at the end.",
+        )
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
+        parser.add_lightning_class_args(StepStatsMonitor, "step_stats")
         parser.set_defaults(
             {
                 "trainer.logger": {
@@ -283,8 +312,9 @@ class PluginTrainCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         _use_our_precision_plugin(config)
         _use_our_checkpoint_io(config)
+        profiler = _phase_profiler(bool(self._get(self.config_init, "profile_phases")), config)
         return super()._instantiate_trainer(
-            config, [*callbacks, *_display_callbacks(config, callbacks)]
+            config, [*callbacks, *profiler, *_display_callbacks(config, callbacks)]
         )
 
     @override

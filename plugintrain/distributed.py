@@ -92,6 +92,15 @@ class GradientLayoutProvider(Protocol):
 
 
 @runtime_checkable
+class HoldsGradients(Protocol):
+    """A strategy whose gradients live outside ``param.grad`` (flat buckets, shards)."""
+
+    def gradient_buffers(self) -> list[Tensor]:
+        """The tensors holding this rank's gradients right now."""
+        ...
+
+
+@runtime_checkable
 class ModelShape(Protocol):
     """The sizes a parallel layout is checked against (``TransformerConfig`` has them)."""
 

@@ -18,7 +18,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from plugintrain.strategies.checkpoint import (
@@ -61,6 +61,13 @@ class EngineBinding:
         if self._engine is None:
             raise RuntimeError(f"{self.owner}'s gradient engine exists only while fitting.")
         return self._engine
+
+    def gradient_buffers(self, model: nn.Module) -> list[Tensor]:
+        """The engine's gradient buckets or shards; ``model``'s ``.grad`` without an engine
+        (FSDP2's sharded ones, or outside fitting)."""
+        if self._engine is not None:
+            return self._engine.gradient_buffers()
+        return [p.grad for p in model.parameters() if p.grad is not None]
 
     def check_clipping(self, trainer: pl.Trainer, precision_plugin: Precision) -> None:
         """Refuse gradient clipping by a plugin that would see only this rank's shard."""

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from plugintrain import profiling
 from plugintrain.distributed import GradientLayout, GradientPiece
 
 PARAMETER_SERVER: Final = "parameter_server"
@@ -233,6 +234,9 @@ class _AllReduce:
 
     # Each rank's optimizer holds the same gradient, so it counts once per world in norms.
     replicated = True
+    # The profiling ranges (plugintrain.profiling) of waiting for a bucket's collectives.
+    reduce_phase: str = profiling.GRAD_ALL_REDUCE
+    sync_phase: str = profiling.PARAM_ALL_GATHER
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -296,6 +300,8 @@ class _ShardedOptimizer(_AllReduce):
 class _ShardedGradients(_ShardedOptimizer):
     """Stage 2: reduce-scatter, so only the owned gradient slice outlives the reduction."""
 
+    reduce_phase = profiling.GRAD_REDUCE_SCATTER
+
     @property
     def frees_grads(self) -> bool:
         return True
@@ -330,6 +336,8 @@ class _ParameterServer(_AllReduce):
     """Gradients reduced to rank 0, which alone steps; parameters broadcast back."""
 
     replicated = False
+    reduce_phase = profiling.GRAD_REDUCE
+    sync_phase = profiling.PARAM_BROADCAST
 
     @property
     def frees_grads(self) -> bool:
@@ -428,7 +436,8 @@ class _Reductions:
 
     def _complete(self, bucket: _Bucket) -> None:
         assert bucket.work is not None
-        bucket.work.wait()
+        with profiling.record(self.scheme.reduce_phase):
+            bucket.work.wait()
         bucket.work = None
         self.scheme.after_reduce(bucket)
 
@@ -803,8 +812,8 @@ class GradientEngine:
     def sync_params(self) -> None:
         """Bring every rank's model up to date after the owners stepped their shards."""
         works = [self._scheme.sync_params(bucket) for bucket in self._buckets]
-        for work in works:
-            if work is not None:
+        for work in filter(None, works):  # stage 0 has nothing to sync
+            with profiling.record(self._scheme.sync_phase):
                 work.wait()
 
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
@@ -845,13 +854,12 @@ class GradientEngine:
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage the engine holds on this rank right now."""
-        tensors = [
-            t
-            for b in self._buckets
-            for t in (b.grads, b.shard_grads, b.shard_pending)
-            if t is not None
-        ]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.gradient_buffers())
+
+    def gradient_buffers(self) -> list[Tensor]:
+        """This rank's gradient storage now: full buckets (stages 0-1) or shards (stage 2)."""
+        held = (t for b in self._buckets for t in (b.grads, b.shard_grads, b.shard_pending))
+        return [t for t in held if t is not None]
 
     def remove(self) -> None:
         """Remove the gradient and optimizer hooks (parameters stay views of the buffers)."""

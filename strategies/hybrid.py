@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from plugintrain.distributed import CallsModelBuiltHooks, GradientLayout
 from plugintrain.resume import init_restarted_process_group
+from plugintrain.strategies.balance import balance_stages
 from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.checkpoint import load_dtensor_states
 from plugintrain.strategies.engine_binding import EngineBinding
@@ -58,7 +59,7 @@ from plugintrain.strategies.parallelize import (
     hybrid_gradient_layout,
     prepare_model,
 )
-from plugintrain.strategies.pipeline import PipelineOptions
+from plugintrain.strategies.pipeline import AUTO, PipelineOptions
 from plugintrain.strategies.pipeline_runtime import PipelineRuntime
 from plugintrain.strategies.tensor_parallel import retie, shared_parameters
 from plugintrain.strategies.tied import TiedParameters
@@ -88,7 +89,8 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
             size); default ``pipeline_parallel``.
         layers_per_stage: Transformer blocks of each virtual stage, in stage order (pp x
             vpp counts summing to the model's layers); default: equal. Give the last
-            stage, which also runs the head and the loss, fewer to balance the pipeline.
+            stage, which also runs the head and the loss, fewer; or ``auto``: measured and
+            chosen at setup (:mod:`~plugintrain.strategies.balance`).
         expert_parallel: Expert-parallel degree; only 1 yet.
         zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
             3 also parameters (torch FSDP2; not with pp > 1).
@@ -114,7 +116,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         virtual_pipeline_parallel: int = 1,
         schedule: str | None = None,
         microbatches: int | None = None,
-        layers_per_stage: list[int] | None = None,
+        layers_per_stage: list[int] | Literal["auto"] | None = None,
         expert_parallel: int = 1,
         zero_stage: int = 0,
         bucket_size_mb: float = 25.0,
@@ -205,7 +207,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         self.check_model(module, trainer.datamodule)  # the whole model, before the split
         dims, mesh = self.dims, self.device_mesh
         fitting = trainer.state.fn == TrainerFn.FITTING
-        options = self.pipeline_options
+        options = self.pipeline_options = _with_split(self, trainer)
         stages = prepare_model(
             module, dims, options, mesh, self.root_device, fitting, self.block_options
         )
@@ -248,24 +250,10 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         if self._pipeline is not None:
-            return self._pipeline_backward(closure_loss)
+            return _pipeline_backward(self, closure_loss)
         # The vocabulary-parallel cross-entropy's backward runs under the same context.
         with loss_parallel() if self.dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def _pipeline_backward(self, closure_loss: Tensor) -> Tensor:
-        # The schedule already ran backward inside training_step, accumulating into the
-        # engine's buffers; Lightning zeroes the optimizer's gradients in between, so the
-        # reduction that exposes them to the optimizer happens here.
-        assert self._pipeline is not None
-        module = self.lightning_module
-        self.pre_backward(closure_loss)
-        self.precision_plugin.pre_backward(closure_loss, module)
-        if not self._binding.accumulating:
-            self._pipeline.finish_gradients(self._binding.engine)
-        self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
 
     @contextmanager
     @override
@@ -273,11 +261,20 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         with self._binding.no_sync():
             yield
 
+    def gradient_buffers(self) -> list[Tensor]:
+        """Where this rank's gradients are (:class:`~plugintrain.distributed.HoldsGradients`)."""
+        return self._binding.gradient_buffers(self.lightning_module)
+
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
         """Each gradient piece with its replica count over the whole pp x tp x dp world."""
         engine = self._binding.engine if self._binding.bound else None
         tied = self._pipeline.tied.held if self._pipeline is not None else ()
         return hybrid_gradient_layout(parameters, engine, self.dims.tensor_parallel, tied)
+
+    @property
+    def records_compute_ranges(self) -> bool:
+        """Whether the pipeline records ``forward``/``backward`` per micro-batch (pp > 1)."""
+        return self._pipeline is not None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -365,6 +362,34 @@ def _requested_layout(
         virtual_pipeline_parallel=virtual_pipeline_parallel,
         zero_stage=zero_stage,
     )
+
+
+def _pipeline_backward(strategy: HybridParallelStrategy, closure_loss: Tensor) -> Tensor:
+    """The strategy's ``backward`` under a pipeline: the schedule already ran backward inside
+    ``training_step``, accumulating into the engine's buffers; Lightning zeroes the
+    optimizer's gradients in between, so the reduction that exposes them to the optimizer
+    happens here."""
+    assert strategy._pipeline is not None
+    module, plugin = strategy.lightning_module, strategy.precision_plugin
+    strategy.pre_backward(closure_loss)
+    plugin.pre_backward(closure_loss, module)
+    if not strategy._binding.accumulating:
+        strategy._pipeline.finish_gradients(strategy._binding.engine)
+    plugin.post_backward(closure_loss, module)
+    strategy.post_backward(closure_loss)
+    return closure_loss
+
+
+def _with_split(strategy: HybridParallelStrategy, trainer: pl.Trainer) -> PipelineOptions:
+    """The strategy's pipeline options, with ``layers_per_stage: auto`` measured and chosen."""
+    options = strategy.pipeline_options
+    if options.layers_per_stage != AUTO:
+        return options
+    module = strategy.lightning_module
+    return balance_stages(
+        module.config, strategy.dims, options, trainer.datamodule,
+        strategy.root_device, strategy.precision_plugin,
+    )  # fmt: skip
 
 
 def _batch(args: tuple, kwargs: dict[str, Any]) -> Any:

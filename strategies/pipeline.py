@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -57,10 +58,12 @@ from plugintrain.strategies.pipeline_schedules import (
 from plugintrain.strategies.pipeline_schedules import validate as validate_schedule
 
 ContextFactory = Callable[[], AbstractContextManager]
+AUTO = "auto"
+"""``layers_per_stage: auto``: the split is measured and chosen at setup."""
 
 
 def check_layers(
-    n_layer: int, pp: int, vpp: int, layers_per_stage: Sequence[int] | None = None
+    n_layer: int, pp: int, vpp: int, layers_per_stage: Sequence[int] | str | None = None
 ) -> None:
     """Raise a ``ValueError`` naming the fix unless ``n_layer`` splits into ``pp * vpp`` chunks.
 
@@ -68,9 +71,22 @@ def check_layers(
         n_layer: Transformer blocks of the model.
         pp: Pipeline ranks.
         vpp: Chunks per rank.
-        layers_per_stage: Blocks of each virtual stage, in stage order; None: equal.
+        layers_per_stage: Blocks of each virtual stage, in stage order; None: equal;
+            ``"auto"``: chosen from measured costs (at least one block per stage).
     """
     stages = pp * vpp
+    if layers_per_stage == AUTO:
+        if n_layer < stages:
+            raise ValueError(
+                f"layers_per_stage=auto needs a block per stage: n_layer={n_layer} <"
+                f" pipeline_parallel={pp} x virtual_pipeline_parallel={vpp}; use fewer stages"
+            )
+        return
+    if isinstance(layers_per_stage, str):
+        raise ValueError(
+            f"layers_per_stage={layers_per_stage!r} is neither 'auto' nor a list of block"
+            " counts per stage (e.g. [5, 3])"
+        )
     if layers_per_stage is not None:
         counts = list(layers_per_stage)
         if len(counts) != stages or sum(counts) != n_layer or min(counts) < 0:
@@ -114,8 +130,9 @@ class PipelineOptions:
     """``gpipe``, ``1f1b`` or ``interleaved``."""
     microbatches: int = 1
     """Micro-batches each batch is cut into."""
-    layers_per_stage: tuple[int, ...] | None = None
-    """Blocks of each virtual stage, in stage order; None: equal."""
+    layers_per_stage: tuple[int, ...] | Literal["auto"] | None = None
+    """Blocks of each virtual stage, in stage order; None: equal; ``"auto"``: measured
+    and chosen when the strategy sets up (:mod:`~plugintrain.strategies.balance`)."""
     wire_dtype: torch.dtype = torch.float32
     """Dtype of the activations and gradients sent between stages."""
 
@@ -125,7 +142,7 @@ class PipelineOptions:
         dims: ParallelDims,
         schedule: str | None = None,
         microbatches: int | None = None,
-        layers_per_stage: Sequence[int] | None = None,
+        layers_per_stage: Sequence[int] | str | None = None,
         wire_dtype: torch.dtype | str = torch.float32,
     ) -> PipelineOptions:
         """Defaults from ``dims`` (``1f1b``, or ``interleaved`` with vpp > 1; ``microbatches =
@@ -138,12 +155,23 @@ class PipelineOptions:
         options = cls(
             schedule=schedule or ("interleaved" if vpp > 1 else "1f1b"),
             microbatches=dims.pipeline_parallel if microbatches is None else microbatches,
-            layers_per_stage=None if layers_per_stage is None else tuple(layers_per_stage),
+            layers_per_stage=_layer_counts(layers_per_stage),
             wire_dtype=_dtype(wire_dtype),
         )
         if dims.pipeline_parallel > 1:
             validate_schedule(dims.pipeline_parallel, vpp, options.microbatches, options.schedule)
         return options
+
+
+def _layer_counts(value: Sequence[int] | str | None) -> tuple[int, ...] | Literal["auto"] | None:
+    if value is None or value == AUTO:
+        return value  # type: ignore[return-value]
+    if isinstance(value, str):
+        raise ValueError(
+            f"layers_per_stage={value!r} is neither 'auto' nor a list of block counts per"
+            " stage (e.g. [5, 3])"
+        )
+    return tuple(value)
 
 
 def _dtype(value: torch.dtype | str) -> torch.dtype:
@@ -227,12 +255,18 @@ class _Wire:
     """One rank's point-to-point traffic during a step: it posts the batches of
     :func:`~plugintrain.strategies.pipeline_schedules.p2p_plan` and holds what is in
     flight (tensors produced and not yet sent, received and not yet used, sends not yet
-    known to be delivered)."""
+    known to be delivered). ``record_range`` opens the profiling range of a post or a wait
+    (see :class:`PipelineExecutor`)."""
 
     def __init__(
-        self, peers: list[int], group: dist.ProcessGroup | None, wire_dtype: torch.dtype
+        self,
+        peers: list[int],
+        group: dist.ProcessGroup | None,
+        wire_dtype: torch.dtype,
+        record_range: Callable[[str], AbstractContextManager] = nullcontext,
     ) -> None:
         self.peers, self.group, self.wire_dtype = peers, group, wire_dtype
+        self.record_range = record_range
         self.outbox: dict[Message, Tensor] = {}  # produced by the last action, sent next
         self.inbox: dict[Message, Tensor] = {}  # received, until its action takes it
         self.sends: dict[Message, tuple[list[dist.Work], Tensor]] = {}
@@ -260,15 +294,17 @@ class _Wire:
         if not batch:
             return
         ops = [self._op(t, shape, device) for t in batch]
-        works = dist.batch_isend_irecv(ops)
+        with self.record_range("pipeline_post"):
+            works = dist.batch_isend_irecv(ops)
         each = [[work] for work in works] if len(works) == len(ops) else [works] * len(ops)
         start = time.perf_counter()
         for t, op, work in zip(batch, ops, each, strict=True):
             if t.op == "send":
                 self.sends[t.message] = (work, op.tensor)
                 continue
-            for w in work:
-                w.wait()
+            with self.record_range("pipeline_recv_wait"):
+                for w in work:
+                    w.wait()
             self.inbox[t.message] = op.tensor
         self.wait_seconds += time.perf_counter() - start
 
@@ -293,8 +329,9 @@ class _Wire:
         start = time.perf_counter()
         for message in messages:
             works, _ = self.sends.pop(message)
-            for work in works:
-                work.wait()
+            with self.record_range("pipeline_send_wait"):
+                for work in works:
+                    work.wait()
         self.wait_seconds += time.perf_counter() - start
 
 
@@ -315,6 +352,9 @@ class PipelineExecutor:
         wire_dtype: Dtype of every activation and gradient on the wire.
         forward_context: Entered around each forward (the precision plugin's autocast).
         backward_context: Entered around each backward (``loss_parallel`` with tp).
+        record_range: Opens a named profiling range (:func:`plugintrain.profiling.record`)
+            around each forward and backward and the wire's posts and waits; the default
+            records nothing. Injected, so the executor runs without a profiler.
 
     Attributes:
         peak_stashed: Most micro-batch chunks held for backward during the last step.
@@ -336,6 +376,7 @@ class PipelineExecutor:
         wire_dtype: torch.dtype = torch.float32,
         forward_context: ContextFactory = nullcontext,
         backward_context: ContextFactory = nullcontext,
+        record_range: Callable[[str], AbstractContextManager] = nullcontext,
     ) -> None:
         if len(stages) != vpp:
             raise ValueError(f"Rank {rank} got {len(stages)} virtual stages for vpp={vpp}.")
@@ -345,7 +386,8 @@ class PipelineExecutor:
         self._plans: dict[tuple, tuple[list[Batch], dict[int, list[Message]]]] = {}
         self.group = group
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
-        self._wire = _Wire(self.peers, group, wire_dtype)
+        self._wire = _Wire(self.peers, group, wire_dtype, record_range)
+        self.record_range = record_range
         self.loss_fn = loss_fn
         self.hidden_size = hidden_size
         self.seq_divisor = seq_divisor
@@ -466,7 +508,7 @@ class PipelineExecutor:
         else:
             x = self._wire.inbox.pop(("F", stage.index - 1, mb))
             x.requires_grad_(training)
-        with self.forward_context():
+        with self.record_range("forward"), self.forward_context():
             out = stage(x, seq_len)
             if stage.is_last:
                 out = self.loss_fn(out, targets[mb])
@@ -487,7 +529,7 @@ class PipelineExecutor:
         stage = self.stages[action.chunk]
         mb = action.microbatch
         x, out = stash.pop((action.chunk, mb))
-        with self.backward_context():
+        with self.record_range("backward"), self.backward_context():
             if stage.is_last:
                 loss = out * loss_scale
                 torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
+from plugintrain import profiling
 from plugintrain.distributed import ModelShape, ParallelModule, StagedModel, check_contract
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims
@@ -116,6 +117,7 @@ class PipelineRuntime:
             wire_dtype=options.wire_dtype,
             forward_context=precision_plugin.forward_context,
             backward_context=loss_parallel if dims.tp_enabled else nullcontext,
+            record_range=profiling.record,
         )
 
     def training_step(self, batch: Any, engine: GradientEngine, accumulate: int) -> Tensor:

@@ -239,6 +239,8 @@ class Simulation:
     rendezvous: bool = False
     """Whether the executor's batches also ran to the end with each send waiting for its
     receive (NCCL's large messages); where they hang, :func:`simulate` raises."""
+    stage_times: list[tuple[Fraction, Fraction]] | None = None
+    """Per virtual stage forward and backward times, where stages were not equal."""
     idle: list[Fraction] = field(init=False)
     """Per rank, the fraction of the makespan spent idle."""
 
@@ -275,11 +277,15 @@ class Simulation:
     def summary(self) -> str:
         """Bubble, per-rank idle fraction and peak in-flight micro-batches, as text."""
         s = self.schedule
-        head = (
-            f"schedule={s.name} pp={s.pp} vpp={s.vpp} microbatches={s.microbatches}"
-            f" (forward {self.forward_time}, backward {self.backward_time} per micro-batch"
-            f" and rank)"
-        )
+        head = f"schedule={s.name} pp={s.pp} vpp={s.vpp} microbatches={s.microbatches}"
+        if self.stage_times is None:
+            head += (
+                f" (forward {self.forward_time}, backward {self.backward_time} per"
+                " micro-batch and rank)"
+            )
+        else:
+            times = ", ".join(f"{float(f):g}/{float(b):g}" for f, b in self.stage_times)
+            head += f" (forward/backward per micro-batch and stage: {times})"
         rows = [
             f"rank {r:>2}: idle {float(self.idle[r]):6.1%}  peak in-flight"
             f" {self.peak_in_flight[r]} micro-batch chunks"
@@ -349,6 +355,7 @@ def simulate(
     forward_time: Fraction | int = 1,
     backward_time: Fraction | int = 2,
     rendezvous: bool = False,
+    stage_times: Sequence[tuple[Fraction | int, Fraction | int]] | None = None,
 ) -> Simulation:
     """Execute every rank's action list symbolically, as the executor would.
 
@@ -364,6 +371,9 @@ def simulate(
         backward_time: The same for a backward.
         rendezvous: Also run the batches the executor posts (:func:`p2p_plan`) where
             each send waits for its receive, as on NCCL (:func:`check_rendezvous`).
+        stage_times: Per virtual stage, one micro-batch's forward and backward time
+            through that stage (unequal stages: a heavier head, a measured split); replaces
+            ``forward_time`` and ``backward_time``.
 
     Raises:
         ValueError: If an action is missing or repeated.
@@ -371,7 +381,13 @@ def simulate(
     """
     check_complete(schedule)
     s = schedule
-    timeline = _timeline(s, Fraction(forward_time) / s.vpp, Fraction(backward_time) / s.vpp)
+    unequal = stage_times is not None
+    if stage_times is None:
+        equal = (Fraction(forward_time) / s.vpp, Fraction(backward_time) / s.vpp)
+        stage_times = [equal] * s.num_stages
+    elif len(stage_times) != s.num_stages:
+        raise ValueError(f"stage_times has {len(stage_times)} entries for {s.num_stages} stages")
+    timeline = _timeline(s, [(Fraction(f), Fraction(b)) for f, b in stage_times])
     if rendezvous:
         check_rendezvous(s)
     busy = [sum((slot.end - slot.start for slot in rank), Fraction(0)) for rank in timeline]
@@ -385,12 +401,12 @@ def simulate(
         forward_time=Fraction(forward_time),
         backward_time=Fraction(backward_time),
         rendezvous=rendezvous,
+        stage_times=None if not unequal else [(Fraction(f), Fraction(b)) for f, b in stage_times],
     )
 
 
-def _timeline(s: Schedule, forward: Fraction, backward: Fraction) -> list[list[TimeSlot]]:
+def _timeline(s: Schedule, stage_times: list[tuple[Fraction, Fraction]]) -> list[list[TimeSlot]]:
     """Each rank's actions placed in time, each as soon as its rank and inputs allow."""
-    durations = {"F": forward, "B": backward}
     last = s.num_stages - 1
     done: dict[tuple[str, int, int], Fraction] = {}
     timeline: list[list[TimeSlot]] = [[] for _ in range(s.pp)]
@@ -409,7 +425,7 @@ def _timeline(s: Schedule, forward: Fraction, backward: Fraction) -> list[list[T
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[rank], *(done[d] for d in deps)])
-                end = start + durations[action.kind]
+                end = start + stage_times[stage][action.kind == "B"]
                 done[(action.kind, stage, action.microbatch)] = end
                 timeline[rank].append(TimeSlot(action, stage, start, end))
                 clock[rank] = end

@@ -95,6 +95,10 @@ class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
         """The gradient engine (exists while fitting, after ``setup``)."""
         return self._binding.engine
 
+    def gradient_buffers(self) -> list[Tensor]:
+        """Where this rank's gradients are (:class:`~plugintrain.distributed.HoldsGradients`)."""
+        return self._binding.gradient_buffers(self.lightning_module)
+
     def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Raise if recomputation or compile is asked for a module without transformer
         blocks; ``plugintrain fit`` calls it before any process is launched."""

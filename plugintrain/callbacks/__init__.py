@@ -2,13 +2,17 @@
 
 from plugintrain.callbacks.display import CountedFlopsSummary, StepProgressBar
 from plugintrain.callbacks.lora import LoRA
+from plugintrain.callbacks.phase_profiler import PhaseProfiler
 from plugintrain.callbacks.precision_check import PrecisionCheck
+from plugintrain.callbacks.step_stats import StepStatsMonitor
 from plugintrain.callbacks.throughput import TokenThroughputMonitor
 
 __all__ = [
     "CountedFlopsSummary",
     "LoRA",
+    "PhaseProfiler",
     "PrecisionCheck",
     "StepProgressBar",
+    "StepStatsMonitor",
     "TokenThroughputMonitor",
 ]

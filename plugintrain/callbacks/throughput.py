@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from plugintrain.peak_flops import device_peak_flops
@@ -29,9 +30,13 @@ def _tokens_in_batch(batch: Any) -> int:
 class TokenThroughputMonitor(ThroughputMonitor):
     """Lightning's ``ThroughputMonitor`` set up for ``(inputs, targets)`` batches.
 
-    Logs ``train|validate/{batches,samples,items}_per_sec`` (items are tokens for language
-    models) and, when the module exposes ``flops_per_batch`` and the device's dense peak
-    FLOP/s is known (:mod:`plugintrain.peak_flops`; CUDA), ``.../mfu``. Keeping
+    Training logs ``throughput/{tokens,samples,batches}_per_sec`` (tokens: the samples of
+    inputs that are not token ids, e.g. images) over the world, the same per device under
+    ``throughput/device/``, and, when the module exposes ``flops_per_batch`` and the
+    device's dense peak FLOP/s is known (:mod:`plugintrain.peak_flops`; CUDA),
+    ``throughput/mfu`` (a replica's FLOP/s over its devices' peak); the running totals are
+    ``throughput/{time,tokens,samples,batches}``. Validation keeps Lightning's names
+    (``validate/items_per_sec``, ...). Keeping
     Lightning's class keeps its per-device/global split (and its peak FLOP/s lookup for
     devices the dense table does not cover) working under every strategy.
 
@@ -66,6 +71,32 @@ class TokenThroughputMonitor(ThroughputMonitor):
             throughput.available_flops = (
                 None if peak is None else peak * (trainer.world_size // replicas)
             )
+
+    @override
+    def _compute(self, trainer: Trainer, iter_num: int | None = None) -> None:
+        # Lightning's, with the training figures under the stable names above.
+        if not trainer._logger_connector.should_update_logs:
+            return
+        stage = trainer.state.stage
+        assert stage is not None
+        throughput = self._throughputs[stage]
+        metrics = throughput.compute()
+        if stage == RunningStage.TRAINING:
+            metrics = {f"throughput/{_TOKEN_NAMES.get(k, k)}": v for k, v in metrics.items()}
+        else:
+            metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in metrics.items()}
+        trainer._logger_connector.log_metrics(metrics, step=iter_num)  # type: ignore[arg-type]
+
+
+# Lightning's "items" are tokens here (see _tokens_in_batch).
+_TOKEN_NAMES = {
+    "items_per_sec": "tokens_per_sec",
+    "device/items_per_sec": "device/tokens_per_sec",
+    "lengths": "tokens",
+    # Lightning's per-device MFU: FLOP/s of a data-parallel replica over the peak of its
+    # tp x pp devices (see setup), which is the MFU of the whole run.
+    "device/mfu": "mfu",
+}
 
 
 def _data_parallel_replicas(trainer: Trainer) -> int:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from plugintrain.tools.bench import main as bench_main
 from plugintrain.tools.compare import main as compare_main
 from plugintrain.tools.convert import convert_main, export_main
+from plugintrain.tools.estimate import main as estimate_main
 from plugintrain.tools.generate import main as generate_main
 from plugintrain.tools.prepare import main as prepare_main
 from plugintrain.tools.schedule import main as schedule_main
@@ -21,6 +23,8 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "schedule": schedule_main,
     "export": export_main,
     "convert": convert_main,
+    "estimate": estimate_main,
+    "bench": bench_main,
 }
 
 _OVERVIEW = """\
@@ -41,6 +45,9 @@ Tools:
   convert    weights between formats: plugintrain convert model.gguf out_dir --format hf
   compare    diff two runs' losses/module stats: plugintrain compare RUN_A RUN_B --dtype bf16
   schedule   simulate a pipeline schedule: plugintrain schedule --pp 4 --vpp 2 --microbatches 8
+  estimate   per-rank memory of a layout, or the layouts that fit:
+               plugintrain estimate llama3.1-8b --dp 8 --zero_stage 2 (or --fit 80GiB --gpus 64)
+  bench      benchmark a matrix of runs: plugintrain bench --matrix benchmarks/cpu.yaml
 
 Run `plugintrain <command> --help` for the options of one command.
 """

@@ -66,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
         "--forward-only", action="store_true", help="forwards alone, as in evaluation"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    measured = parser.add_argument_group(
+        "measured stage times (instead of --forward-time/--backward-time)",
+        "Time one micro-batch through the embedding, one block and the head of a preset on"
+        " this machine and simulate the split (what layers_per_stage: auto does in fit).",
+    )
+    measured.add_argument("--model", default=None, help="a preset, e.g. gpt2-debug")
+    measured.add_argument("--n-layer", type=int, default=None, help="blocks (default: preset's)")
+    measured.add_argument("--micro-batch-size", type=int, default=1, help="sequences (default 1)")
+    measured.add_argument("--seq-len", type=int, default=128, help="tokens (default 128)")
+    measured.add_argument(
+        "--layers-per-stage", default="auto", help="'auto' (default) or blocks per stage: 5,3"
+    )
     return parser
 
 
@@ -106,6 +118,8 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as error:
         print(f"plugintrain schedule: error: {error}", file=sys.stderr)
         return 2
+    if args.model is not None:
+        return _measured(args, name)
     sim = simulate(schedule, args.forward_time, args.backward_time, rendezvous=True)
     if args.json:
         print(json.dumps(to_json(sim)))
@@ -114,3 +128,63 @@ def main(argv: Sequence[str]) -> int:
         print()
         print(sim.summary())
     return 0
+
+
+def _measured(args: argparse.Namespace, name: str) -> int:
+    """Simulate with stage times measured on this machine; pick the split for ``auto``."""
+    from plugintrain.strategies.balance import (
+        choose_split,
+        layer_costs_of_preset,
+        simulate_split,
+    )
+
+    try:
+        costs, n_layer = layer_costs_of_preset(
+            args.model, args.n_layer, args.micro_batch_size, args.seq_len
+        )
+        if args.layers_per_stage == "auto":
+            balance = choose_split(costs, n_layer, args.pp, args.vpp, name, args.microbatches)
+            counts, sim = balance.layers_per_stage, balance.simulation
+        else:
+            counts = _counts(args.layers_per_stage, n_layer, args.pp * args.vpp)
+            sim = simulate_split(costs, counts, args.pp, args.vpp, name, args.microbatches)
+    except ValueError as error:
+        print(f"plugintrain schedule: error: {error}", file=sys.stderr)
+        return 2
+    ms = [round(1000 * t, 3) for t in (*costs.embed, *costs.block, *costs.head)]
+    if args.json:
+        print(json.dumps({**to_json(sim), "layers_per_stage": list(counts), "costs_ms": ms}))
+        return 0
+    print(
+        f"{args.model} (n_layer={n_layer}), micro-batch {args.micro_batch_size} x"
+        f" {args.seq_len}, forward/backward ms: embedding {ms[0]}/{ms[1]}, block"
+        f" {ms[2]}/{ms[3]}, head + loss {ms[4]}/{ms[5]}"
+    )
+    equal = n_layer // (args.pp * args.vpp)
+    if n_layer % (args.pp * args.vpp) == 0:
+        base = simulate_split(costs, [equal] * args.pp * args.vpp, args.pp, args.vpp, name,
+                              args.microbatches)  # fmt: skip
+        print(
+            f"equal split {[equal] * args.pp * args.vpp}: step {float(base.makespan) / 1e3:.1f}"
+            f" ms, bubble {float(base.bubble_fraction):.1%}"
+        )
+    print(
+        f"layers_per_stage {list(counts)}: step {float(sim.makespan) / 1e3:.1f} ms,"
+        f" bubble {float(sim.bubble_fraction):.1%} (times in microseconds below)"
+    )
+    print(sim.summary())
+    return 0
+
+
+def _counts(text: str, n_layer: int, stages: int) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if len(counts) != stages or sum(counts) != n_layer or min(counts) < 1:
+        example = ",".join(["1"] * (stages - 1) + [str(n_layer - stages + 1)])
+        raise ValueError(
+            f"--layers-per-stage {text} is not {stages} positive block counts summing to"
+            f" n_layer={n_layer}; pass e.g. {example}, or auto"
+        )
+    return counts

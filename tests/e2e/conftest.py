@@ -38,11 +38,24 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def uninterrupted_llama3(shakespeare_llama3: Path, tmp_path_factory) -> dict[int, float]:
-    """Step -> loss of one uninterrupted single-process run of the Llama debug recipe
-    (8 steps at batch 4, seq_len 32): what every resumed layout must reproduce."""
-    from kill_during_save import STEPS, save_events
+def uninterrupted_llama3_run(
+    shakespeare_llama3: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[int, float], Path]:
+    """One uninterrupted single-process run of the Llama debug recipe (8 steps at batch 4,
+    seq_len 32, a checkpoint every 2 steps, all kept): step -> loss, and its checkpoint
+    directory (``epoch=0-step=<n>.ckpt`` files), shared by every test that needs it."""
+    from kill_during_save import NAME, STEPS, save_events
 
-    losses, _ = save_events(shakespeare_llama3, tmp_path_factory.mktemp("uninterrupted"), "single")
+    work = tmp_path_factory.mktemp("uninterrupted")
+    losses, _ = save_events(shakespeare_llama3, work, "single", "--checkpoint.save_top_k=-1")
     assert sorted(losses) == list(range(STEPS))
-    return losses
+    return losses, work / "single_reference" / NAME / "checkpoints"
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_llama3(
+    uninterrupted_llama3_run: tuple[dict[int, float], Path],
+) -> dict[int, float]:
+    """Step -> loss of the uninterrupted single-process run: what every resumed layout
+    must reproduce."""
+    return uninterrupted_llama3_run[0]

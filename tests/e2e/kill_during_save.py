@@ -90,11 +90,12 @@ def _losses(out: Path) -> dict[int, float]:
 
 
 def save_events(
-    data: Path, work: Path, strategy: str
+    data: Path, work: Path, strategy: str, *extra: str
 ) -> tuple[dict[int, float], dict[tuple[int, int], int]]:
-    """An uninterrupted run: its losses, and the steps of each (save, rank)."""
+    """An uninterrupted run (``extra``: more CLI options): its losses, and the steps of
+    each (save, rank). It logs under ``work / f"{strategy}_reference"``."""
     out = work / f"{strategy}_reference"
-    proc = _run([*_killer(0, "0", -1), *_args(data, out, strategy)], work)
+    proc = _run([*_killer(0, "0", -1), *_args(data, out, strategy, *extra)], work)
     if proc.returncode != 0:
         raise RuntimeError(f"{strategy} reference run failed:\n{proc.stderr[-6000:]}")
     counts = re.findall(r"SAVE (\d+) EVENTS rank (\d+): (\d+)", proc.stdout)

@@ -142,8 +142,8 @@ def test_fit_writes_logs_config_and_checkpoints(gpt2_run: Path) -> None:
     losses = logged_losses(gpt2_run, "train_loss")
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert logged_losses(gpt2_run, "val_loss")
-    assert logged_losses(gpt2_run, "train/device/items_per_sec")  # tokens/s (throughput monitor)
-    assert logged_losses(gpt2_run, "lr-AdamW/pg1")
+    assert logged_losses(gpt2_run, "throughput/device/tokens_per_sec")  # throughput monitor
+    assert logged_losses(gpt2_run, "lr/pg1")
     ckpt = torch.load(gpt2_run.parent / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
 

@@ -81,23 +81,29 @@ def _fit(data: Path, out: Path, layout: str, max_steps: int, *extra: str) -> dic
 
 
 @pytest.fixture(scope="module")
-def saved(shakespeare_llama3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A four-step checkpoint of each sharded layout."""
+def saved(
+    shakespeare_llama3: Path,
+    uninterrupted_llama3_run: tuple[dict[int, float], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Path]:
+    """A four-step checkpoint of each layout. One process's is the step-4 checkpoint of the
+    session's uninterrupted run (the same recipe, options and batches)."""
     root = tmp_path_factory.mktemp("resume_anywhere_saved")
-    checkpoints = {}
-    for layout in ("one process", "zero2 x2", "pipeline pp2", "hybrid dp2 x tp2"):
+    checkpoints = {"one process": uninterrupted_llama3_run[1] / "epoch=0-step=4.ckpt"}
+    for layout in ("zero2 x2", "pipeline pp2", "hybrid dp2 x tp2"):
         out = root / layout.replace(" ", "_")
         _fit(shakespeare_llama3, out, layout, 4)
         checkpoints[layout] = out / "llama3_debug_hybrid_cpu" / "checkpoints" / "last.ckpt"
-        # One process writes one file; the others a DCP directory of shards.
-        assert checkpoints[layout].is_file() == (layout == "one process")
+    # One process writes one file; the others a DCP directory of shards.
+    for layout, checkpoint in checkpoints.items():
+        assert checkpoint.is_file() == (layout == "one process"), checkpoint
     return checkpoints
 
 
 @pytest.mark.parametrize(
     ("saved_by", "resumed_by"),
     [
-        ("zero2 x2", "one process"),
+        # zero2 x2 resumed by one process: test_kill_during_save.py[zero2x2-replace:4].
         ("zero2 x2", "pipeline pp2"),
         ("pipeline pp2", "one process"),
         ("hybrid dp2 x tp2", "one process"),

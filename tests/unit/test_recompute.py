@@ -11,6 +11,7 @@ in ``tests/distributed/test_recompute_distributed.py``.
 from __future__ import annotations
 
 import copy
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from plugintrain.cli import main
+from plugintrain.data import write_token_bin
 from plugintrain.data.mnist import write_idx
 from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import Transformer, TransformerConfig
@@ -229,9 +231,14 @@ def test_cli_refuses_recomputation_of_a_model_without_blocks(capfd, tmp_path: Pa
 
 
 def test_cli_refuses_an_unknown_mode_in_one_line(capfd, tmp_path: Path) -> None:
+    data = tmp_path / "tokens"  # tiny token files, so that a clean clone needs no prepare
+    write_token_bin(data / "train.bin", np.arange(300) % 1000)
+    write_token_bin(data / "val.bin", np.arange(300) % 1000)
+    meta = {"dataset": "shakespeare", "tokenizer": "gpt2", "vocab_size": 50257}
+    (data / "meta.json").write_text(json.dumps(meta))
     args = [
         "--config", str(REPO / "recipes" / "gpt2_debug_shakespeare_cpu.yaml"),
-        "--trainer.logger=false",
+        "--trainer.logger=false", f"--data.init_args.data_dir={data}",
         "--trainer.strategy.class_path=plugintrain.strategies.HybridParallelStrategy",
         "--trainer.strategy.init_args.activation_checkpointing=everything",
     ]  # fmt: skip

@@ -1,0 +1,236 @@
+"""``plugintrain estimate``: per-rank memory of a model on a layout, and the layouts that fit.
+
+For a preset (or a JSON/YAML file of ``TransformerConfig`` fields) and a layout (``--dp``,
+``--tp``, ``--sp``, ``--pp``, ``--vpp``, ``--ep``, the strategy and ZeRO stage, precision,
+micro-batch, sequence length, pipeline micro-batches, recomputation, LoRA) it prints the
+bytes each rank holds: parameters, gradients, optimizer state, activations (with the
+micro-batches a pipeline rank holds at once) and buffers of the reductions, with the
+total; one column per pipeline stage. ``--json`` prints the same as one JSON object.
+``--fit 80GiB --gpus 64`` lists the layouts of up to 64 devices whose largest rank fits,
+fewest devices first, then least memory. Nothing is allocated: the model is only built on
+the meta device (:mod:`plugintrain.estimate`).
+
+Exit status: 0 on success, 2 on bad input (a layout the model cannot train on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from plugintrain.tools._args import ToolParser
+
+if TYPE_CHECKING:
+    from plugintrain.estimate import Estimate, Layout
+    from plugintrain.model_zoo import TransformerConfig
+
+_ROWS = (
+    ("parameters", "parameters"),
+    ("gradients", "gradients"),
+    ("optimizer", "optimizer state (AdamW)"),
+    ("activations", "activations (peak)"),
+    ("communication", "reduction buffers"),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from plugintrain.estimate import PRECISIONS, STRATEGIES
+
+    parser = ToolParser(
+        prog="plugintrain estimate",
+        description="Per-rank memory of a model on a parallel layout; --fit lists the layouts"
+        " that fit a device.",
+    )
+    add = parser.add_argument
+    add("model", help="a preset (plugintrain.model_zoo presets) or a .json/.yaml config file")
+    add("--strategy", choices=STRATEGIES, default=None,
+        help="single (one device), ddp_bucketed, zero1, zero2 (data parallel only) or hybrid;"
+             " default: single on one device, else hybrid")  # fmt: skip
+    add("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
+    add("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    add("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
+    add("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    add("--vpp", type=int, default=1, help="model chunks per pipeline rank (default 1)")
+    add("--ep", type=int, default=1, help="expert-parallel ranks (models with experts only)")
+    add("--zero_stage", type=int, default=0, help="hybrid: 0, 1, 2 or 3 (FSDP2); default 0")
+    add("--precision", choices=PRECISIONS, default="bf16-mixed", help="default bf16-mixed")
+    add("--micro_batch", type=int, default=1, help="sequences per micro-batch and rank")
+    add("--seq_len", type=int, default=None,
+        help="tokens per sequence (default 2048, or a shorter block_size)")  # fmt: skip
+    add("--microbatches", type=int, default=None, help="micro-batches per step (default pp)")
+    add("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
+        help="pipeline schedule (default 1f1b, interleaved with --vpp > 1)")  # fmt: skip
+    add("--layers_per_stage", type=_counts, default=None, metavar="N,N,...",
+        help="blocks of each virtual stage, e.g. 5,3 (default: equal)")  # fmt: skip
+    add("--recompute", choices=("none", "full", "selective"), default="none",
+        help="activation recomputation of each block")  # fmt: skip
+    add("--every_n_layers", type=int, default=1, help="with --recompute full: every n-th block")
+    add("--lora_r", type=int, default=0, help="LoRA rank; 0 (default): full fine-tuning")
+    add("--lora_targets", nargs="+", default=None,
+        help="LoRA's Linear layers (default *.attention.wq *.attention.wv)")  # fmt: skip
+    add("--bucket_size_mb", type=float, default=25.0, help="gradient bucket size (default 25)")
+    add("--fit", metavar="MEMORY", default=None,
+        help="list the layouts whose largest rank fits MEMORY (80GiB, 141GB, bytes)")  # fmt: skip
+    add("--gpus", type=int, default=None, help="with --fit: up to this many devices (default 8)")
+    add("--top", type=int, default=20, help="with --fit: print this many layouts (default 20)")
+    add("--json", action="store_true", help="print one JSON object instead of a table")
+    return parser
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """``5,3`` -> (5, 3)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated block counts: {text!r}") from None
+
+
+def load_config(model: str) -> TransformerConfig:
+    """A preset by name, or the ``TransformerConfig`` fields in a JSON or YAML file."""
+    from plugintrain.model_zoo import TransformerConfig
+
+    path = Path(model)
+    if path.suffix not in (".json", ".yaml", ".yml"):
+        return TransformerConfig.from_name(model)
+    if not path.is_file():
+        raise ValueError(f"config file {model!r} does not exist; give a preset or a file")
+    import yaml
+
+    text = path.read_text()
+    # YAML 1.1 reads JSON's `1e-05` as a string: JSON files go through json.
+    fields = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(fields, dict):
+        raise ValueError(f"{model} holds no mapping of TransformerConfig fields")
+    try:
+        return TransformerConfig.from_dict(fields)
+    except TypeError as error:
+        raise ValueError(f"{model}: {error}; use TransformerConfig's field names") from None
+
+
+def _layout(args: argparse.Namespace, config: TransformerConfig) -> Layout:
+    from plugintrain.estimate import Layout
+
+    world = args.dp * args.tp * args.pp
+    strategy = args.strategy or ("single" if world == 1 and args.fit is None else "hybrid")
+    targets = tuple(args.lora_targets) if args.lora_targets else Layout.lora_targets
+    return Layout(
+        strategy=strategy, dp=args.dp, tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp,
+        ep=args.ep, zero_stage=args.zero_stage, precision=args.precision,
+        micro_batch=args.micro_batch, seq_len=args.seq_len or min(2048, config.block_size),
+        microbatches=args.microbatches, layers_per_stage=args.layers_per_stage,
+        schedule=args.schedule, recompute=args.recompute, every_n_layers=args.every_n_layers,
+        lora_r=args.lora_r, lora_targets=targets, bucket_size_mb=args.bucket_size_mb,
+    )  # fmt: skip
+
+
+def size(n: float) -> str:
+    """Bytes as ``12.3 GiB`` (binary units, three significant digits)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
+def describe(layout: Layout) -> str:
+    """The layout on one line: ``hybrid dp=8 x tp=2 (sp) x pp=1, zero_stage=1, ...``."""
+    sp = " (sp)" if layout.sp else ""
+    vpp = f" x vpp={layout.vpp}" if layout.vpp > 1 else ""
+    zero = f", zero_stage={layout.stage}" if layout.stage is not None else ""
+    pipe = f", {layout.num_microbatches} micro-batches" if layout.pp > 1 else ""
+    if layout.layers_per_stage is not None:
+        pipe += f", layers_per_stage={list(layout.layers_per_stage)}"
+    lora = f", LoRA r={layout.lora_r}" if layout.lora_r else ""
+    every = f" every {layout.every_n_layers}" if layout.every_n_layers > 1 else ""
+    return (
+        f"{layout.strategy} dp={layout.dp} x tp={layout.tp}{sp} x pp={layout.pp}{vpp}{zero},"
+        f" {layout.precision}, micro_batch={layout.micro_batch} x seq_len={layout.seq_len}"
+        f"{pipe}, recompute={layout.recompute}{every}{lora}"
+    )
+
+
+def table(result: Estimate) -> str:
+    """The per-rank table: one row per part, one column per pipeline stage."""
+    stages = result.stage_peaks()
+    heads = ["per rank"] if len(stages) == 1 else [f"stage {r.pp_rank}" for r in stages]
+    rows = [(label, [size(getattr(r, key)) for r in stages]) for key, label in _ROWS]
+    rows.append(("total", [size(r.total) for r in stages]))
+    width = max(len(label) for label, _ in rows)
+    cols = [max(len(h), *(len(v[i]) for _, v in rows)) for i, h in enumerate(heads)]
+    lines = [
+        f"{result.config.name}: {describe(result.layout)}",
+        "",
+        f"{'':<{width}}  " + "  ".join(f"{h:>{c}}" for h, c in zip(heads, cols, strict=True)),
+    ]
+    for label, values in rows:
+        cells = "  ".join(f"{v:>{c}}" for v, c in zip(values, cols, strict=True))
+        lines.append(f"{label:<{width}}  {cells}")
+    return "\n".join(lines)
+
+
+def to_json(result: Estimate) -> dict[str, Any]:
+    """The estimate as plain JSON types: the layout, each stage's largest rank, the peak."""
+    stages = [{**dataclasses.asdict(r), "total": r.total} for r in result.stage_peaks()]
+    peak = result.peak
+    return {
+        "model": result.config.name,
+        "layout": dataclasses.asdict(result.layout) | {"world_size": result.layout.world_size},
+        "stages": stages,
+        "peak": {**dataclasses.asdict(peak), "total": peak.total},
+    }
+
+
+def fit_table(results: list[Estimate], memory: int, gpus: int, top: int) -> str:
+    """The layouts that fit, one per line, fewest devices and least memory first."""
+    if not results:
+        return f"No layout of up to {gpus} devices fits in {size(memory)} per device."
+    heads = ("gpus", "dp", "tp", "sp", "pp", "zero", *(k for k, _ in _ROWS), "total")
+    lines = [
+        f"{len(results)} layouts of up to {gpus} devices fit in {size(memory)} per device"
+        f" (largest rank; showing {min(top, len(results))}):",
+        "  ".join(f"{h:>11}" if i > 5 else f"{h:>4}" for i, h in enumerate(heads)),
+    ]
+    for result in results[:top]:
+        layout, peak = result.layout, result.peak
+        cells = [layout.world_size, layout.dp, layout.tp, "y" if layout.sp else "n", layout.pp]
+        cells.append("fsdp" if layout.stage == 3 else str(layout.stage or 0))
+        parts = [size(getattr(peak, key)) for key, _ in _ROWS] + [size(peak.total)]
+        lines.append("  ".join([*(f"{c!s:>4}" for c in cells), *(f"{p:>11}" for p in parts)]))
+    return "\n".join(lines)
+
+
+def _fit_json(results: list[Estimate], memory: int, gpus: int) -> dict[str, Any]:
+    return {"memory": memory, "gpus": gpus, "layouts": [to_json(r) for r in results]}
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``plugintrain estimate``; returns 0, or 2 on bad input."""
+    from plugintrain.estimate import estimate, fitting_layouts, parse_bytes
+
+    args = _parser().parse_args(list(argv))
+    try:
+        config = load_config(args.model)
+        layout = _layout(args, config)
+        if args.fit is None:
+            result = estimate(config, layout)
+        else:
+            memory, gpus = parse_bytes(args.fit), args.gpus or 8
+            if gpus < 1 or args.top < 1:
+                raise ValueError(f"--gpus={gpus} and --top={args.top} must be >= 1")
+            layout.check(config)  # the options that stay fixed, checked once
+            fits = fitting_layouts(config, gpus, memory, layout)
+    except ValueError as error:
+        print(f"plugintrain estimate: error: {error}", file=sys.stderr)
+        return 2
+    if args.fit is None:
+        print(json.dumps(to_json(result)) if args.json else table(result))
+    elif args.json:
+        print(json.dumps(_fit_json(fits, memory, gpus)))
+    else:
+        print(fit_table(fits, memory, gpus, args.top))
+    return 0

@@ -1,0 +1,208 @@
+"""The memory estimator (plugintrain.estimate) against what ranks really hold.
+
+**Training state, exactly.** Each layout trains one step through Lightning and the real
+strategy (one process; ZeroStrategy stage 1 and 2 at dp 2; hybrid tp 2, pp 2, and
+dp 2 x tp 2 x pp 2 on 8 processes). Right after the optimizer step every rank adds up the
+distinct storages it holds: the local shards of the parameters (the gradient engine's flat,
+padded buckets), the gradient buffers that outlive the step (the engine's buckets or 1/dp
+shards, ``.grad`` tensors without it) and the optimizer's state tensors. The estimator's
+parameter, gradient and optimizer bytes for that rank must equal them to the byte.
+Processes start once per world size (2 and 8) and run their layouts in turn; small
+buckets make the engine split, pad and shard many buckets.
+
+**Activations, within 20%.** On the debug models (and one whose vocabulary is small, so
+the transformer blocks, not the logits, dominate), one process: the peak of live tensors
+during forward and backward (:class:`~plugintrain.memory.LiveTensorMemory`), minus what
+was live before, against the estimator's activation bytes; also with recomputation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from plugintrain.callbacks import LoRA
+from plugintrain.estimate import Layout, estimate
+from plugintrain.memory import LiveTensorMemory
+from plugintrain.model_zoo import CausalLM, TransformerConfig
+from plugintrain.precision_plugins import FP32Precision
+from plugintrain.strategies import HybridParallelStrategy, ZeroStrategy
+from plugintrain.strategies.blocks import BlockOptions
+
+from _harness import run_distributed
+
+SEQ = 16
+BATCH = 4  # per data-parallel rank
+BUCKET_MB = 0.05  # many buckets, several per block, padded and split unevenly
+
+
+def _config(preset: str) -> TransformerConfig:
+    # GPT-2's vocabulary padded to a multiple of 64 (as nanoGPT does), so tp = 2 splits it.
+    vocab = -(-TransformerConfig.from_name(preset).vocab_size // 64) * 64
+    return TransformerConfig.from_name(preset, block_size=SEQ, vocab_size=vocab)
+
+
+# (name, preset, layout): one layout per line of the issue, spread over the families.
+CASES: dict[int, list[tuple[str, str, Layout]]] = {
+    1: [
+        ("single", "gpt2-debug", Layout("single")),
+        ("single-lora", "llama3-debug", Layout("single", lora_r=4)),
+    ],
+    2: [
+        ("zero1", "gpt2-debug", Layout("zero1", dp=2)),
+        ("zero2", "llama3-debug", Layout("zero2", dp=2)),
+        ("tp2", "qwen3-debug", Layout("hybrid", tp=2)),
+        # An uneven split: the last stage, which runs the head, gets one block of four.
+        (
+            "pp2",
+            "llama3-debug",
+            Layout("hybrid", pp=2, microbatches=2, zero_stage=1, layers_per_stage=(3, 1)),
+        ),
+    ],
+    8: [("dp2xtp2xpp2", "gpt2-debug", Layout("hybrid", dp=2, tp=2, pp=2, zero_stage=2))],
+}
+
+
+def _strategy(layout: Layout) -> Any:
+    if layout.strategy == "single":
+        return "auto"
+    if layout.strategy in ("zero1", "zero2"):
+        return ZeroStrategy(stage=layout.stage, bucket_size_mb=BUCKET_MB)
+    return HybridParallelStrategy(
+        data_parallel=layout.dp, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
+        microbatches=layout.microbatches, zero_stage=layout.zero_stage,
+        layers_per_stage=layout.layers_per_stage, bucket_size_mb=BUCKET_MB,
+    )  # fmt: skip
+
+
+def _storage_bytes(tensors: list[Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a DTensor by its local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class _HeldAfterStep(L.Callback):
+    """Measures what this rank holds right after the first optimizer step."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, int] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *_: Any) -> None:
+        params = list(module.parameters())
+        optimizer = trainer.optimizers[0]
+        stepped = [p for group in optimizer.param_groups for p in group["params"]]
+        binding = getattr(trainer.strategy, "_binding", None)
+        buckets = binding.engine._buckets if binding is not None and binding.bound else []
+        engine_grads = [t for b in buckets for t in (b.grads, b.shard_grads, b.shard_pending)]
+        states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        self.held = {
+            "parameters": _storage_bytes(params),
+            "gradients": _storage_bytes([p.grad for p in params + stepped] + engine_grads),
+            "optimizer": _storage_bytes(states),
+        }
+
+
+def _train_one_step(preset: str, layout: Layout, rank: int) -> dict[str, int]:
+    L.seed_everything(0, verbose=False)
+    probe = _HeldAfterStep()
+    callbacks: list[L.Callback] = [probe]
+    if layout.lora_r:
+        callbacks.insert(0, LoRA(r=layout.lora_r, target_modules=list(layout.lora_targets)))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=layout.world_size, strategy=_strategy(layout),
+        plugins=[FP32Precision()], max_steps=1, use_distributed_sampler=False, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks,
+    )  # fmt: skip
+    tokens = torch.randint(0, 1000, (BATCH * layout.dp, SEQ + 1))
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    dp_rank = rank // layout.tp % layout.dp  # mesh ("pp", "dp", "tp"): tp innermost
+    sampler = DistributedSampler(data, num_replicas=layout.dp, rank=dp_rank, shuffle=False)
+    trainer.fit(CausalLM(_config(preset)), DataLoader(data, batch_size=BATCH, sampler=sampler))
+    return probe.held
+
+
+def _run_cases(rank: int, world_size: int) -> dict[str, dict[str, int]]:
+    return {name: _train_one_step(p, layout, rank) for name, p, layout in CASES[world_size]}
+
+
+@pytest.fixture(scope="module")
+def held() -> dict[int, list[dict[str, dict[str, int]]]]:
+    results = {1: [_run_cases(0, 1)]}
+    results |= {world: run_distributed(_run_cases, world, timeout=600) for world in (2, 8)}
+    return results
+
+
+@pytest.mark.parametrize(
+    ("world", "name", "preset", "layout"),
+    [(world, *case) for world, cases in CASES.items() for case in cases],
+    ids=[name for cases in CASES.values() for name, *_ in cases],
+)
+def test_training_state_bytes_equal_the_held_tensors(
+    held: dict, world: int, name: str, preset: str, layout: Layout
+) -> None:
+    layout = Layout(**{**layout.__dict__, "seq_len": SEQ, "micro_batch": BATCH,
+                       "precision": "32-true", "bucket_size_mb": BUCKET_MB})  # fmt: skip
+    result = estimate(_config(preset), layout)
+    for rank, measured in enumerate(held[world]):
+        pp_rank, dp_rank = divmod(rank // layout.tp, layout.dp)
+        est = next(r for r in result.ranks if (r.pp_rank, r.dp_rank) == (pp_rank, dp_rank))
+        got = {key: getattr(est, key) for key in ("parameters", "gradients", "optimizer")}
+        assert got == measured[name], (name, rank, got, measured[name])
+
+
+# ---- activations -------------------------------------------------------------------------
+
+ACT_BATCH, ACT_SEQ = 2, 64
+ACTIVATION_CASES = [
+    ("gpt2-debug", {}, "none"),
+    ("llama3-debug", {}, "none"),
+    ("qwen3-debug", {}, "none"),
+    ("llama3-debug", {}, "full"),
+    # A small vocabulary: the blocks' activations, not the logits, dominate.
+    ("llama3-debug", {"vocab_size": 512}, "none"),
+    ("qwen3-debug", {"vocab_size": 512}, "selective"),
+    ("gpt2-debug", {"vocab_size": 512}, "full"),
+]
+
+
+def _measured_activations(config: TransformerConfig, recompute: str) -> int:
+    """Peak bytes of one forward + backward minus what was live before (weights, their
+    gradients from a first step, the batch)."""
+    torch.manual_seed(0)
+    module = CausalLM(config)
+    module.configure_model()
+    BlockOptions(recompute).apply(module)
+    x, y = torch.randint(0, 500, (2, ACT_BATCH, ACT_SEQ))
+    module.loss_fn(module(x), y).backward()  # gradients exist: backward adds in place
+    with LiveTensorMemory() as memory:
+        memory.track(module.parameters(), [p.grad for p in module.parameters()])
+        memory.track(module.buffers(), x, y)
+        before = memory.live_bytes
+        module.loss_fn(module(x), y).backward()
+    return memory.peak_bytes - before
+
+
+@pytest.mark.parametrize(("preset", "overrides", "recompute"), ACTIVATION_CASES)
+def test_activation_estimate_within_20_percent(
+    preset: str, overrides: dict, recompute: str
+) -> None:
+    config = TransformerConfig.from_name(preset, **overrides)
+    layout = Layout("single", micro_batch=ACT_BATCH, seq_len=ACT_SEQ, recompute=recompute)
+    estimated = estimate(config, layout).peak.activations
+    measured = _measured_activations(config, recompute)
+    print(f"{preset} {overrides} {recompute}: estimated {estimated}, measured {measured},"
+          f" ratio {estimated / measured:.4f}")  # fmt: skip
+    assert abs(estimated / measured - 1) <= 0.2, (estimated, measured)

@@ -1,0 +1,147 @@
+"""``plugintrain estimate``: the table, ``--json`` and ``--fit`` are well formed, bad input
+is one line naming the value and a fix, and an 8B model on 64 devices allocates nothing.
+
+That the bytes are right is measured in ``tests/distributed/test_estimate_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+
+import pytest
+
+from plugintrain.estimate import Layout, estimate, fitting_layouts, parse_bytes
+from plugintrain.memory import LiveTensorMemory
+from plugintrain.model_zoo import TransformerConfig
+from plugintrain.tools import TOOLS
+from plugintrain.tools.estimate import main
+
+ROWS = ("parameters", "gradients", "optimizer state (AdamW)", "activations (peak)", "total")
+
+
+def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_registered_as_a_tool() -> None:
+    assert TOOLS["estimate"] is main
+
+
+def test_table_has_a_column_per_pipeline_stage(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _run(capsys, "llama3-debug", "--tp", "2", "--pp", "2", "--seq_len", "64")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("llama3-debug: hybrid dp=1 x tp=2 x pp=2")
+    assert lines[2].split() == ["stage", "0", "stage", "1"]
+    for row in ROWS:
+        line = next(line for line in lines if line.startswith(row))
+        assert len(line[len(row) :].split()) == 4, line  # two stages, "<value> <unit>"
+
+
+def test_json_matches_the_estimate(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _run(capsys, "gpt2-debug", "--dp", "2", "--zero_stage", "2", "--json")
+    assert code == 0
+    record = json.loads(out)
+    assert record["model"] == "gpt2-debug"
+    assert record["layout"]["world_size"] == 2
+    peak = record["peak"]
+    parts = ("parameters", "gradients", "optimizer", "activations", "communication")
+    assert peak["total"] == sum(peak[k] for k in parts)
+    config = TransformerConfig.from_name("gpt2-debug")
+    layout = Layout("hybrid", dp=2, zero_stage=2, precision="bf16-mixed", seq_len=256)
+    expected = estimate(config, layout)
+    assert peak["total"] == expected.peak.total
+
+
+def test_fit_lists_layouts_fewest_devices_then_least_memory(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _run(capsys, "qwen3-debug", "--fit", "300MiB", "--gpus", "4", "--json")
+    assert code == 0
+    record = json.loads(out)
+    layouts = record["layouts"]
+    assert layouts, "some layout of up to 4 devices fits"
+    keys = [(r["layout"]["world_size"], r["peak"]["total"]) for r in layouts]
+    assert keys == sorted(keys)
+    assert all(total <= 300 * 2**20 for _, total in keys)
+    assert max(w for w, _ in keys) <= 4
+    code, text, _ = _run(capsys, "qwen3-debug", "--fit", "300MiB", "--gpus", "4", "--top", "3")
+    assert code == 0
+    assert text.splitlines()[0].startswith(f"{len(layouts)} layouts of up to 4 devices fit")
+    assert len(text.splitlines()) == 2 + 3
+
+
+def test_fit_says_when_nothing_fits(capsys: pytest.CaptureFixture) -> None:
+    code, out, _ = _run(capsys, "llama3-debug", "--fit", "1MiB", "--gpus", "2")
+    assert code == 0
+    assert out.strip() == "No layout of up to 2 devices fits in 1 MiB per device."
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["gpt2-debug", "--ep", "2"], ["ep=2", "ep=1"]),
+        (["llama3-debug", "--tp", "3"], ["tensor_parallel=3"]),
+        (["llama3-debug", "--pp", "3"], ["pipeline_parallel=3", "[1, 2, 4]"]),
+        (["gpt2-debug", "--sp"], ["sequence_parallel=True", "tensor_parallel > 1"]),
+        (["gpt2-debug", "--seq_len", "4096"], ["seq_len=4096", "block_size=256"]),
+        (["gpt2-debug", "--pp", "2", "--zero_stage", "3"], ["zero_stage=3"]),
+        (["gpt2-debug", "--strategy", "zero2", "--tp", "2"], ["'zero2'", "hybrid"]),
+        (["gpt2-debug", "--fit", "80 parsecs"], ["'80 parsecs'", "80GiB"]),
+        (["gpt-2", "--dp", "2"], ["'gpt-2'", "gpt2-debug"]),
+        (["missing.yaml"], ["'missing.yaml'"]),
+        (["gpt2-debug", "--recompute", "all"], ["'all'", "full"]),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_value(
+    capsys: pytest.CaptureFixture, argv: list[str], names: list[str]
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's choices
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    for name in names:
+        assert name in err, (name, err)
+
+
+def test_config_file(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    import dataclasses
+
+    config = TransformerConfig.from_name("gpt2-debug", n_layer=2)
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(dataclasses.asdict(config)))
+    code, out, _ = _run(capsys, str(path), "--json")
+    assert code == 0
+    assert json.loads(out)["peak"]["parameters"] == config.num_params() * 4
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("141 GB") == 141 * 10**9
+    assert parse_bytes(1024) == 1024
+    with pytest.raises(ValueError, match="80GiB"):
+        parse_bytes("-1GiB")
+
+
+def test_8b_on_64_devices_allocates_nothing() -> None:
+    """An 8B model on 64 devices, and every layout of up to 16 that fits 80 GiB, estimated
+    without allocating a tensor (the model is only built on the meta device)."""
+    config = TransformerConfig.from_name("llama3.1-8b")
+    base = Layout("hybrid", precision="bf16-mixed", seq_len=8192, recompute="selective")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with LiveTensorMemory() as memory:
+        one = estimate(config, Layout("hybrid", dp=8, tp=4, sp=True, pp=2, zero_stage=1))
+        assert one.layout.world_size == 64
+        fits = fitting_layouts(config, 16, parse_bytes("80GiB"), base)
+    assert memory.peak_bytes < 2**20, memory.peak_bytes
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss
+    assert grown_kib < 2**20, grown_kib  # < 1 GiB; the weights alone would be 32 GB
+    assert len(one.ranks) == 16  # one per (pp, dp) position
+    assert fits and fits[0].layout.world_size < 16
+    # The weights alone (bf16-mixed keeps fp32 master weights) need a few devices.
+    assert fits[0].layout.world_size * 80 * 2**30 > 4 * config.num_params()
