@@ -127,6 +127,7 @@ class BenchRecorder(Callback):
         self._step_start: float | None = None
         self._step_loss = 0.0
         self._memory: LiveTensorMemory | None = None
+        self._cuda_peak = 0
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -160,8 +161,7 @@ class BenchRecorder(Callback):
     def _measure(self, trainer: Trainer, pl_module: LightningModule, record: RankRecord) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda":
-            record.peak_bytes = torch.cuda.max_memory_allocated(device)
-            record.peak_source = "cuda.max_memory_allocated"
+            record.peak_bytes, record.peak_source = self._cuda_peak, "cuda.max_memory_allocated"
             return
         self._memory = LiveTensorMemory()
         self._memory.track(*_state_tensors(trainer, pl_module))
@@ -172,19 +172,26 @@ class BenchRecorder(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
         batch_idx: int,
     ) -> None:  # fmt: skip
+        last = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        device = trainer.strategy.root_device
+        step = trainer.global_step - int(last)  # a step's last micro-batch has counted it
+        if device.type == "cuda" and self.warmup <= step < trainer.max_steps - 1:
+            # Read after every micro-batch: `step_stats` resets the allocator's peak as each
+            # batch starts, so one read at the end would miss the earlier steps.
+            self._cuda_peak = max(self._cuda_peak, torch.cuda.max_memory_allocated(device))
         # Lightning divides each micro-batch's loss by the accumulation: their sum is the
         # step's mean loss.
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         self._step_loss += float(loss) if torch.is_tensor(loss) else 0.0
-        if (batch_idx + 1) % trainer.accumulate_grad_batches:
-            return  # not a step's last micro-batch
+        if not last:
+            return
         record = self._record
         assert record is not None
         if self._memory is not None:
             self._memory.__exit__(None, None, None)
             record.peak_bytes, record.peak_source = self._memory.peak_bytes, "LiveTensorMemory"
             self._memory = None
-        elif trainer.global_step - 1 >= self.warmup:
+        elif self.warmup <= step < trainer.max_steps - 1:  # the timed steps
             record.loss = self._step_loss
         self._step_loss = 0.0
         tokens = int(batch[0].numel())

@@ -104,6 +104,9 @@ def to_json(sim: Simulation) -> dict[str, Any]:
         "peak_in_flight": sim.peak_in_flight,
         "p2p_in_order": sim.p2p_in_order,
         "rendezvous_deadlock_free": sim.rendezvous,
+        "stage_times": None
+        if sim.stage_times is None
+        else [[_number(f), _number(b)] for f, b in sim.stage_times],
     }
 
 
@@ -132,6 +135,7 @@ def main(argv: Sequence[str]) -> int:
 
 def _measured(args: argparse.Namespace, name: str) -> int:
     """Simulate with stage times measured on this machine; pick the split for ``auto``."""
+    from plugintrain.model_zoo import TransformerConfig
     from plugintrain.strategies.balance import (
         choose_split,
         layer_costs_of_preset,
@@ -139,8 +143,11 @@ def _measured(args: argparse.Namespace, name: str) -> int:
     )
 
     try:
+        n_layer = args.n_layer or TransformerConfig.from_name(args.model).n_layer
+        if args.layers_per_stage != "auto":  # checked before anything is timed
+            _counts(args.layers_per_stage, n_layer, args.pp * args.vpp)
         costs, n_layer = layer_costs_of_preset(
-            args.model, args.n_layer, args.micro_batch_size, args.seq_len
+            args.model, n_layer, args.micro_batch_size, args.seq_len
         )
         if args.layers_per_stage == "auto":
             balance = choose_split(costs, n_layer, args.pp, args.vpp, name, args.microbatches)

@@ -8,6 +8,7 @@ slowest stage sets the pace, it drains), which owes nothing to the simulator.
 from __future__ import annotations
 
 import itertools
+import json
 from fractions import Fraction
 
 import pytest
@@ -129,4 +130,6 @@ def test_schedule_tool_shows_the_measured_split(capsys: pytest.CaptureFixture) -
         "plugintrain schedule: error: --layers-per-stage 3,2 is not 2 positive block counts"
         " summing to n_layer=4; pass e.g. 1,3, or auto"
     )
-    assert main([*args, "--layers-per-stage", "1,3"]) == 0  # the hint works
+    assert main([*args, "--layers-per-stage", "1,3", "--json"]) == 0  # the hint works
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["layers_per_stage"] == [1, 3] and len(shown["stage_times"]) == 2
