@@ -167,6 +167,14 @@ class _Range(AbstractContextManager):
 _active: Recorder | None = None
 
 
+def device_seconds(device: torch.device) -> float:
+    """Wall-clock seconds once ``device`` has finished everything queued on it (every CUDA
+    stream, NCCL's included): the clock for timing whole steps, which ranges do not need."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def record(name: str) -> AbstractContextManager:
     """A range named ``name`` in the active recorder; a shared no-op when none is active."""
     recorder = _active

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from plugintrain.profiling import device_seconds
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline import PipelineOptions
 from plugintrain.strategies.pipeline_schedules import Simulation, build_schedule, simulate
@@ -244,26 +244,20 @@ def _time_parts(
     outputs: list[Tensor] = []
     forward: list[float] = []
     for part in parts:
-        start = _now(device)
+        start = device_seconds(device)
         with forward_context():
             out = part(inputs[-1])  # type: ignore[arg-type]
-        forward.append(_now(device) - start)
+        forward.append(device_seconds(device) - start)
         outputs.append(out)
         inputs.append(out.detach().requires_grad_(True))
     backward: list[float] = [0.0] * len(parts)
     grad: Tensor | None = None
     for index in reversed(range(len(parts))):
-        start = _now(device)
+        start = device_seconds(device)
         outputs[index].backward(grad)
-        backward[index] = _now(device) - start
+        backward[index] = device_seconds(device) - start
         grad = inputs[index].grad if inputs[index] is not None else None
     return list(zip(forward, backward, strict=True))
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def rank_0_costs(

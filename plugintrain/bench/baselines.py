@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from plugintrain.bench.recorder import BenchRecorder, RankRecord, optimizer_tensors, storage_bytes
 from plugintrain.memory import LiveTensorMemory
 from plugintrain.peak_flops import device_peak_flops
+from plugintrain.profiling import device_seconds
 
 
 class ZeroRedundancyAdamW(ZeroRedundancyOptimizer):
@@ -127,9 +127,9 @@ class _Loop:
             if memory is not None:
                 memory.track(*state())
                 memory.__enter__()
-            start = _now(self.device)
+            start = device_seconds(self.device)
             loss = step()
-            seconds = _now(self.device) - start
+            seconds = device_seconds(self.device) - start
             if memory is not None:
                 memory.__exit__(None, None, None)
                 record.peak_bytes, record.peak_source = memory.peak_bytes, "LiveTensorMemory"
@@ -148,12 +148,6 @@ def _autocast_dtype(plugin: Precision) -> torch.dtype | None:
         f"the baselines run precision 32-true or bf16-mixed, not {plugin.precision};"
         " set precision: bf16-mixed on the row"
     )
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def plain(fit_args: Sequence[str]) -> None:

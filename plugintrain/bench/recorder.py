@@ -15,7 +15,6 @@ them runs under :class:`~plugintrain.memory.LiveTensorMemory`, which sees every 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -31,6 +30,7 @@ from plugintrain.callbacks.throughput import _data_parallel_replicas
 from plugintrain.distributed import HoldsGradients
 from plugintrain.memory import LiveTensorMemory
 from plugintrain.peak_flops import device_peak_flops
+from plugintrain.profiling import device_seconds
 
 
 @dataclass
@@ -91,13 +91,6 @@ def _gradient_tensors(trainer: Trainer, module: torch.nn.Module) -> list[Tensor]
     return [p.grad for p in module.parameters() if p.grad is not None]
 
 
-def _now(device: torch.device) -> float:
-    """Seconds, once the device has finished what was queued (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 @runtime_checkable
 class CountsFlops(Protocol):
     """A LightningModule that sets the training FLOPs of its latest batch (as Lightning's
@@ -151,7 +144,7 @@ class BenchRecorder(Callback):
         assert record is not None
         if step == self.warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        now = _now(device)
+        now = device_seconds(device)
         if self._step_start is not None and step - 1 >= self.warmup:
             record.step_seconds.append(now - self._step_start)
         self._step_start = now
