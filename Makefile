@@ -14,7 +14,7 @@ PROMPT ?= ROMEO:
 # Recipes log (and checkpoint) under runs/<recipe file name>.
 CHECKPOINTS = runs/$(basename $(notdir $(RECIPE)))/checkpoints
 
-.PHONY: setup train test lint format bench clean
+.PHONY: setup train test lint format bench gpu-check clean
 
 setup: $(VENV)/.setup-done
 
@@ -48,6 +48,13 @@ bench: setup
 	$(BIN)/plugintrain prepare shakespeare --tokenizer gpt2
 	$(BIN)/plugintrain prepare shakespeare --tokenizer llama3
 	$(BIN)/plugintrain bench --matrix $(MATRIX)
+
+# One GPU, a few minutes: logits, reduced precisions and the one-process strategies on
+# CUDA against the CPU, then GPT-2 124M and Llama 3.2 1B tokens/s, MFU and peak memory.
+# One table, also as runs/gpu_check/gpu_check.json; without a GPU a dry run that says so.
+# The same CUDA checks as tests: $(BIN)/pytest -m gpu
+gpu-check: setup
+	$(BIN)/python -m plugintrain.tools.gpu_check
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache .ruff_cache

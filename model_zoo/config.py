@@ -16,6 +16,8 @@ import torch
 _NORMS = ("layernorm", "rmsnorm")
 _MLPS = ("gelu", "swiglu")
 _POSITIONS = ("learned", "rope")
+_ATTENTIONS = ("gqa", "mla")
+_SCORE_FUNCS = ("sigmoid", "softmax")
 _PRESETS: dict[str, TransformerConfig] = {}
 
 
@@ -53,6 +55,159 @@ class RopeScaling:
                 f"high_freq_factor={self.high_freq_factor}, "
                 f"low_freq_factor={self.low_freq_factor}; Llama 3 uses 4.0 and 1.0."
             )
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values go through
+    low-rank latents, and RoPE acts on a separate, decoupled part of each head.
+
+    Queries: ``x -> wq_a (q_lora_rank) -> RMSNorm -> wq_b (n_head x (nope + rope))``, or
+    one projection when ``q_lora_rank`` is None. Keys and values: ``x -> wkv_a`` gives a
+    ``kv_lora_rank`` latent (normalized, then expanded by ``wkv_b`` into every head's
+    ``nope`` key and ``v_head_dim`` value) and one ``qk_rope_head_dim`` key shared by all
+    heads, which RoPE rotates. Generation caches only the latent and the rotated key.
+    """
+
+    kv_lora_rank: int = 512
+    """Width of the compressed key/value latent (what the KV cache stores per token)."""
+    q_lora_rank: int | None = 1536
+    """Width of the compressed query latent; None projects queries directly."""
+    qk_nope_head_dim: int = 128
+    """Channels of each query/key head that carry no position."""
+    qk_rope_head_dim: int = 64
+    """Channels of each query/key head that RoPE rotates (the key part is shared)."""
+    v_head_dim: int = 128
+    """Channels of each value head."""
+    rope_interleave: bool = True
+    """RoPE pairs adjacent channels ``(2i, 2i+1)``, the layout of DeepSeek's checkpoints
+    (Hugging Face's ``rope_interleave``); False pairs ``i`` with ``i + rope_dim / 2``."""
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+        }
+        if self.q_lora_rank is not None:
+            sizes["q_lora_rank"] = self.q_lora_rank
+        bad = {key: v for key, v in sizes.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"MLAConfig: these sizes must be positive integers, got {bad}.")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"MLAConfig: RoPE rotates pairs of channels but qk_rope_head_dim="
+                f"{self.qk_rope_head_dim} is odd; make it even (DeepSeek-V3 uses 64)."
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Channels of each query/key head: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward layers (DeepSeek-V3, Qwen3-MoE).
+
+    Each token picks ``top_k`` of ``n_routed_experts`` SwiGLU experts by its router
+    scores; their outputs, weighted by the scores (normalized over the chosen ones), are
+    summed with the always-on shared experts'. The first ``first_k_dense`` layers keep a
+    dense SwiGLU of ``intermediate_size``.
+    """
+
+    n_routed_experts: int = 8
+    """Experts each MoE layer routes between."""
+    top_k: int = 2
+    """Experts each token is sent to."""
+    moe_intermediate_size: int = 256
+    """Hidden width of each expert (and of each shared expert)."""
+    n_shared_experts: int = 0
+    """Experts every token goes through (one SwiGLU ``n_shared_experts`` times as wide)."""
+    first_k_dense: int = 0
+    """The first k layers keep a dense feed-forward network."""
+    score_func: str = "sigmoid"
+    """Router scores: ``sigmoid`` per expert (DeepSeek-V3) or ``softmax`` over experts
+    (Qwen3-MoE, DeepSeek-V2)."""
+    norm_topk_prob: bool = True
+    """Normalize the chosen experts' scores to sum to 1 (before ``routed_scaling_factor``)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights (DeepSeek-V3: 2.5)."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (DeepSeek-V3: 8; 1 turns it off)."""
+    topk_group: int = 1
+    """Groups a token may pick experts from, ranked by their two best scores."""
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3, Wang et al. 2024): after each optimizer
+    step, each expert's routing bias moves by this much towards balance (up when it got
+    fewer tokens than the mean, down when more), then the biases are re-centred to zero
+    mean. The bias only chooses experts; it never enters the weights. 0 turns it off
+    (DeepSeek-V3: 0.001)."""
+    aux_loss_coeff: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss ``sum_i f_i P_i`` (0: off;
+    DeepSeek-V3: 0.0001)."""
+    capacity_factor: float | None = None
+    """Each expert takes at most ``ceil(capacity_factor x tokens x top_k / experts)``
+    tokens of a rank's micro-batch; the rest are dropped (the residual carries them).
+    None: dropless."""
+
+    def __post_init__(self) -> None:
+        counts = {
+            "n_routed_experts": self.n_routed_experts,
+            "top_k": self.top_k,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+        }
+        bad = {key: v for key, v in counts.items() if not isinstance(v, int) or v < 1}
+        if self.n_shared_experts < 0 or self.first_k_dense < 0:
+            bad |= {"n_shared_experts": self.n_shared_experts, "first_k_dense": self.first_k_dense}
+        if bad:
+            raise ValueError(f"MoEConfig: these counts must be positive integers, got {bad}.")
+        self._check_routing()
+        self._check_rates()
+
+    def _check_routing(self) -> None:
+        experts = self.n_routed_experts
+        if self.top_k > experts:
+            raise ValueError(
+                f"MoEConfig: top_k={self.top_k} is larger than n_routed_experts={experts};"
+                f" pick top_k <= {experts}."
+            )
+        if self.score_func not in _SCORE_FUNCS:
+            raise ValueError(
+                f"MoEConfig: unknown score_func={self.score_func!r}; choose one of {_SCORE_FUNCS}."
+            )
+        if experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(
+                f"MoEConfig: n_group={self.n_group} must divide n_routed_experts={experts} and"
+                f" be >= topk_group={self.topk_group}; use n_group: 1, topk_group: 1 to turn"
+                " group-limited routing off."
+            )
+        reachable = self.topk_group * (experts // self.n_group)
+        if self.top_k > reachable:
+            raise ValueError(
+                f"MoEConfig: top_k={self.top_k} exceeds the {reachable} experts of"
+                f" topk_group={self.topk_group} groups; raise topk_group or lower top_k."
+            )
+
+    def _check_rates(self) -> None:
+        if self.bias_update_rate < 0 or self.aux_loss_coeff < 0 or self.routed_scaling_factor <= 0:
+            raise ValueError(
+                f"MoEConfig: bias_update_rate={self.bias_update_rate} and aux_loss_coeff="
+                f"{self.aux_loss_coeff} must be >= 0 and routed_scaling_factor="
+                f"{self.routed_scaling_factor} > 0."
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(
+                f"MoEConfig: capacity_factor={self.capacity_factor} must be > 0, or None for"
+                " dropless routing."
+            )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block ``index`` has a mixture of experts (else a dense SwiGLU)."""
+        return index >= self.first_k_dense
 
 
 @dataclass
@@ -108,6 +263,13 @@ class TransformerConfig:
     """Dropout probability on embeddings, attention weights and residual branches."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialization."""
+    attention: str = "gqa"
+    """Attention: ``gqa`` (multi-head or grouped-query, ``n_kv_head``) or ``mla``
+    (multi-head latent attention, shaped by ``mla``)."""
+    mla: MLAConfig | None = None
+    """Shape of multi-head latent attention; needed by (and only with) ``attention="mla"``."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts feed-forward layers; None: every layer is dense."""
     tokenizer: str | None = None
     """The tokenizer whose ids the model reads: ``gpt2``, ``llama3``, a pretrained name
     (``smollm2-135m``) or the path of a ``tokenizer.json``, Hugging Face directory or GGUF
@@ -119,6 +281,12 @@ class TransformerConfig:
         self._check_choices()
         self._check_heads()
         self._check_position()
+        _check_mla(self)
+        if self.moe is not None and self.moe.first_k_dense > self.n_layer:
+            raise ValueError(
+                f"{self.name}: moe.first_k_dense={self.moe.first_k_dense} exceeds n_layer="
+                f"{self.n_layer}; at most every layer can be dense."
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got dropout={self.dropout}.")
 
@@ -146,6 +314,7 @@ class TransformerConfig:
             ("norm", self.norm, _NORMS),
             ("mlp", self.mlp, _MLPS),
             ("position", self.position, _POSITIONS),
+            ("attention", self.attention, _ATTENTIONS),
         ):
             if value not in choices:
                 raise ValueError(
@@ -165,6 +334,8 @@ class TransformerConfig:
             )
 
     def _check_position(self) -> None:
+        if self.attention == "mla":
+            return  # MLAConfig checks its rotated width
         if self.position == "rope" and self.head_dim % 2:
             source = (
                 f"head_size={self.head_size}"
@@ -188,6 +359,11 @@ class TransformerConfig:
         return self.n_embd // self.n_head if self.head_size is None else self.head_size
 
     @property
+    def rope_dim(self) -> int:
+        """Channels of a head that RoPE rotates: ``head_dim``, or MLA's ``qk_rope_head_dim``."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
     def kv_heads(self) -> int:
         """Number of key/value heads, resolved (``n_head`` when ``n_kv_head`` is None)."""
         return self.n_head if self.n_kv_head is None else self.n_kv_head
@@ -200,9 +376,10 @@ class TransformerConfig:
     @classmethod
     def from_dict(cls, fields: dict[str, object]) -> TransformerConfig:
         """The config whose fields ``dataclasses.asdict`` gave (``rope_scaling`` too)."""
-        scaling = fields.get("rope_scaling")
-        if isinstance(scaling, dict):
-            fields = {**fields, "rope_scaling": RopeScaling(**scaling)}
+        nested = {"rope_scaling": RopeScaling, "mla": MLAConfig, "moe": MoEConfig}
+        for key, kind in nested.items():
+            if isinstance(fields.get(key), dict):
+                fields = {**fields, key: kind(**fields[key])}
         return cls(**fields)
 
     @classmethod
@@ -229,7 +406,7 @@ class TransformerConfig:
         """Names of all registered presets, sorted."""
         return sorted(_PRESETS)
 
-    def num_params(self, include_embeddings: bool = True) -> int:
+    def num_params(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Count the parameters analytically, without building the model.
 
         Args:
@@ -237,24 +414,20 @@ class TransformerConfig:
                 position embeddings) but keep the output projection, which is a matmul on
                 every token even when its weight is tied. This is the N of the 6N FLOPs
                 rule and nanoGPT's "non-embedding" count.
+            active: Count only what one token runs through: of each MoE layer's routed
+                experts, the ``top_k`` it is sent to (DeepSeek-V3: 37B of 671B).
         """
         head = self.vocab_size * self.n_embd  # the output projection, tied or not
-        body = self.n_layer * self._block_params() + self._norm_params() + head
+        blocks = sum(self._block_params(i, active) for i in range(self.n_layer))
+        body = blocks + self._norm_params() + head
         if not include_embeddings:
             return body
         positions = self.block_size * self.n_embd if self.position == "learned" else 0
         return body + positions + (0 if self.tie_embeddings else head)
 
-    def _block_params(self) -> int:
-        d, hs, f = self.n_embd, self.head_dim, self.ffn_dim
-        bias = int(self.bias)  # one bias per output feature of each Linear
-        qkv_out = hs * (self.n_head + 2 * self.kv_heads)
-        wo = self.n_head * hs * d  # from the concatenated heads back to the width
-        attention = d * qkv_out + wo + bias * (qkv_out + d)
-        qk_norms = 2 * hs if self.qk_norm else 0  # one RMSNorm weight for queries, one for keys
-        n_in = 2 if self.mlp == "swiglu" else 1  # SwiGLU has a gate and an up projection
-        ffn = (n_in + 1) * d * f + bias * (n_in * f + d)
-        return attention + qk_norms + ffn + 2 * self._norm_params()
+    def _block_params(self, index: int = 0, active: bool = False) -> int:
+        ffn = _ffn_params(self, index, active)
+        return _attention_params(self) + ffn + 2 * self._norm_params()
 
     def _norm_params(self) -> int:
         with_bias = self.norm == "layernorm" and self.bias
@@ -266,16 +439,81 @@ class TransformerConfig:
         ``6 * N + 12 * n_layer * n_head * head_dim * seq_len`` (PaLM paper, appendix B;
         nanoGPT's ``estimate_mfu``): 6N counts the matmuls with the weights (2 FLOPs per
         multiply-add, times 3 for forward plus backward), with N from ``num_params(
-        include_embeddings=False)``; the second term counts the attention scores and weighted
-        values, whose width is the query width ``n_head * head_dim`` (``n_embd`` unless
-        ``head_size`` sets it apart, as in Qwen3), also under GQA. Like those references it
-        ignores causal masking, norms and softmax.
+        include_embeddings=False, active=True)`` (a mixture of experts counts only the
+        experts a token runs through); the second term counts the attention scores and
+        weighted values, whose width is the query width ``n_head * head_dim`` (``n_embd``
+        unless ``head_size`` sets it apart, as in Qwen3), also under GQA; with MLA it is
+        ``6 * n_layer * n_head * (qk_head_dim + v_head_dim) * seq_len``. Like those
+        references it ignores causal masking, norms, softmax and routing.
 
         Args:
             seq_len: Tokens per training sequence.
         """
-        attention = 12 * self.n_layer * self.n_head * self.head_dim * seq_len
-        return 6 * self.num_params(include_embeddings=False) + attention
+        if self.mla is None:
+            width = 2 * self.head_dim  # scores (q . k) and weighted values, hs wide each
+        else:
+            width = self.mla.qk_head_dim + self.mla.v_head_dim
+        attention = 6 * self.n_layer * self.n_head * width * seq_len
+        return 6 * self.num_params(include_embeddings=False, active=True) + attention
+
+
+def _check_mla(config: TransformerConfig) -> None:
+    """Raise unless ``attention`` and ``mla`` agree and the latents fit the width."""
+    if (config.attention == "mla") != (config.mla is not None):
+        raise ValueError(
+            f"{config.name}: attention={config.attention!r} with mla={config.mla}; set both"
+            " attention: mla and an mla: block, or neither."
+        )
+    if config.mla is None:
+        return
+    ranks = {"kv_lora_rank": config.mla.kv_lora_rank, "q_lora_rank": config.mla.q_lora_rank}
+    bad = {key: r for key, r in ranks.items() if r is not None and r > config.n_embd}
+    if bad:
+        raise ValueError(
+            f"{config.name}: MLA ranks {bad} are larger than the model width n_embd="
+            f"{config.n_embd}; a low-rank latent must be narrower than n_embd."
+        )
+    if config.position != "rope" or config.bias or config.norm != "rmsnorm":
+        raise ValueError(
+            f"{config.name}: attention='mla' is built with position='rope', bias=False and"
+            f" norm='rmsnorm', got position={config.position!r}, bias={config.bias},"
+            f" norm={config.norm!r}."
+        )
+
+
+def _attention_params(config: TransformerConfig) -> int:
+    """Parameters of one block's attention."""
+    d, hs = config.n_embd, config.head_dim
+    if config.mla is not None:
+        return _mla_params(config)
+    bias = int(config.bias)  # one bias per output feature of each Linear
+    qkv_out = hs * (config.n_head + 2 * config.kv_heads)
+    wo = config.n_head * hs * d  # from the concatenated heads back to the width
+    qk_norms = 2 * hs if config.qk_norm else 0  # one RMSNorm weight for queries, one for keys
+    return d * qkv_out + wo + bias * (qkv_out + d) + qk_norms
+
+
+def _mla_params(config: TransformerConfig) -> int:
+    """Parameters of one multi-head latent attention."""
+    mla, d, nh = config.mla, config.n_embd, config.n_head
+    q_out = nh * mla.qk_head_dim
+    queries = d * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (d + 1 + q_out)
+    kv_a = d * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank  # + its norm
+    kv_b = mla.kv_lora_rank * nh * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return queries + kv_a + kv_b + nh * mla.v_head_dim * d
+
+
+def _ffn_params(config: TransformerConfig, index: int, active: bool) -> int:
+    """Parameters of block ``index``'s feed-forward network (a token's experts if ``active``)."""
+    d, f = config.n_embd, config.ffn_dim
+    if config.moe is not None and config.moe.is_moe_layer(index):
+        moe = config.moe
+        experts = moe.top_k if active else moe.n_routed_experts
+        routed_and_shared = 3 * d * moe.moe_intermediate_size * (experts + moe.n_shared_experts)
+        return routed_and_shared + moe.n_routed_experts * d  # + the router
+    bias = int(config.bias)
+    n_in = 2 if config.mlp == "swiglu" else 1  # SwiGLU has a gate and an up projection
+    return (n_in + 1) * d * f + bias * (n_in * f + d)
 
 
 def register_preset(config: TransformerConfig) -> TransformerConfig:
@@ -292,4 +530,4 @@ def register_preset(config: TransformerConfig) -> TransformerConfig:
 
 # Configs are plain data: let `torch.load(weights_only=True)`, the default of Lightning's
 # `load_from_checkpoint`, rebuild them from a checkpoint's hyperparameters.
-torch.serialization.add_safe_globals([TransformerConfig, RopeScaling])
+torch.serialization.add_safe_globals([TransformerConfig, RopeScaling, MLAConfig, MoEConfig])

@@ -60,12 +60,13 @@ def _scale_llama3(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 def rope_cache(
     config: TransformerConfig, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosines and sines for every position up to ``block_size``: two ``(block_size, hs)``.
+    """Cosines and sines for every position up to ``block_size``: two ``(block_size, r)``
+    over the ``r = config.rope_dim`` rotated channels of a head (all of them, but MLA's).
 
     Uses the rotate-half layout (frequencies repeated over the two halves of a head), as Hugging
     Face does, so its Llama weights load without permuting ``wq``/``wk``.
     """
-    inv_freq = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling, device)
+    inv_freq = rope_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling, device)
     positions = torch.arange(config.block_size, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (block_size, hs / 2)
     angles = torch.cat((angles, angles), dim=-1)  # (block_size, hs)

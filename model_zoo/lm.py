@@ -11,14 +11,23 @@ from lightning.pytorch.cli import OptimizerCallable
 from torchmetrics import Metric
 
 from plugintrain.data.token_bytes import TokenBytesSource
-from plugintrain.model_zoo import gpt2, llama3, qwen3
+from plugintrain.model_zoo import deepseek_v3, gpt2, llama3, qwen3, qwen3_moe
 from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.cross_entropy import token_cross_entropy
 from plugintrain.model_zoo.layers import QK_NORM_PLAN
+from plugintrain.model_zoo.routing_stats import RoutingHooks
 from plugintrain.model_zoo.transformer import Transformer
 from plugintrain.portable_checkpoints import PortableCheckpoints
 
-# Model family -> its declarative tensor/sequence-parallel plan.
-_TP_PLANS = {"gpt2": gpt2.tp_plan, "llama3": llama3.tp_plan, "qwen3": qwen3.tp_plan}
+# Model family -> its declarative tensor/sequence-parallel plan for a config (the MoE
+# families' plans depend on which blocks are dense).
+_TP_PLANS = {
+    "gpt2": lambda config: gpt2.tp_plan(),
+    "llama3": lambda config: llama3.tp_plan(),
+    "qwen3": lambda config: qwen3.tp_plan(),
+    "deepseek_v3": deepseek_v3.tp_plan,
+    "qwen3_moe": qwen3_moe.tp_plan,
+}
 
 
 class _SummedNLL(Metric):
@@ -111,7 +120,7 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class CausalLM(PortableCheckpoints, L.LightningModule):
+class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
     """A decoder-only language model trained on next-token prediction.
 
     The transformer is built in :meth:`configure_model`, so a strategy can build it on the
@@ -208,18 +217,15 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
     def tp_plan(self) -> dict[str, str]:
         """The family's tensor-parallel plan, keyed by paths under this module (``model.*``);
         the query/key norms' entries follow ``config.qk_norm``, whatever the family."""
-        plan = {k: v for k, v in _TP_PLANS[self.config.family]().items() if k not in QK_NORM_PLAN}
-        if self.config.qk_norm:
-            plan |= QK_NORM_PLAN
-        return {f"model.{pattern}": style for pattern, style in plan.items()}
+        return {f"model.{pattern}": style for pattern, style in _tp_plan(self.config).items()}
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`."""
         return self.model(tokens, input_pos)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)`` in fp32."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        """Mean fp32 cross-entropy of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)``."""
+        return token_cross_entropy(logits, targets)
 
     def training_step(
         self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
@@ -229,7 +235,8 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         x, y = batch
         loss = self.loss_fn(self(x), y)
         self.record_loss("train", loss, batch)
-        return loss
+        aux = self.model.take_aux_loss()  # MoE balance losses (logged as moe/aux_loss)
+        return loss if aux is None else loss + aux
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Logs ``val_loss``, ``val_ppl`` and, given the bytes per token, ``val_bpb``."""
@@ -380,6 +387,12 @@ class CausalLM(PortableCheckpoints, L.LightningModule):
         start = 0 if step == 0 else idx.size(1) - 1
         input_pos = torch.arange(start, idx.size(1), device=idx.device)
         return self.model(idx[:, start:], input_pos)[:, -1]
+
+
+def _tp_plan(config: TransformerConfig) -> dict[str, str]:
+    """``config``'s family plan, with query/key norm entries exactly when it has them."""
+    plan = {k: v for k, v in _TP_PLANS[config.family](config).items() if k not in QK_NORM_PLAN}
+    return plan | QK_NORM_PLAN if config.qk_norm else plan
 
 
 def _build(config: TransformerConfig, weights: str | None) -> Transformer:

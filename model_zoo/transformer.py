@@ -23,6 +23,8 @@ from plugintrain.model_zoo.layers import (
     build_norm,
     rope_cache,
 )
+from plugintrain.model_zoo.mla import LatentKVCache, MultiHeadLatentAttention
+from plugintrain.model_zoo.moe import MoE
 
 
 class TransformerBlock(nn.Module):
@@ -30,14 +32,17 @@ class TransformerBlock(nn.Module):
 
     Args:
         config: Model architecture.
+        index: The block's place in the model (MoE configs keep the first blocks dense).
     """
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = build_norm(config)
-        self.attention = Attention(config)
+        mla = config.attention == "mla"
+        self.attention = MultiHeadLatentAttention(config) if mla else Attention(config)
         self.ffn_norm = build_norm(config)
-        self.feed_forward = build_feed_forward(config)
+        sparse = config.moe is not None and config.moe.is_moe_layer(index)
+        self.feed_forward = MoE(config) if sparse else build_feed_forward(config)
 
     def forward(
         self,
@@ -82,7 +87,7 @@ class Transformer(nn.Module):
         )
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(config) for i in range(config.n_layer)}
+            {str(i): TransformerBlock(config, i) for i in range(config.n_layer)}
         )
         self.norm = build_norm(config)
         self.output = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -99,7 +104,8 @@ class Transformer(nn.Module):
 
         Normal(0, ``init_std``) for embeddings and Linear weights, scaled by
         ``1 / sqrt(2 * n_layer)`` for the projections that write into the residual stream
-        (``wo``, ``w2``; GPT-2 paper, section 2.3), zero biases, unit norm weights. Normal
+        (``wo``, ``w2``, the experts' ``w2``; GPT-2 paper, section 2.3), zero biases, unit
+        norm weights, zero routing biases. Normal
         values come from :func:`~plugintrain.initialization.seeded_normal_` keyed by each
         parameter's full-model name (a tied head by the embedding's), so a pipeline stage
         or a tensor-parallel / FSDP2 shard initialized on its own holds exactly its part
@@ -116,7 +122,9 @@ class Transformer(nn.Module):
                 elif name.endswith("bias"):
                     nn.init.zeros_(param)
                 else:
-                    is_residual = module_name.endswith((".wo", ".w2"))
+                    is_residual = module_name.endswith((".wo", ".w2")) or name.endswith(
+                        "experts.w2"
+                    )
                     key = canonical.get(name, name)
                     seeded_normal_(param, residual_std if is_residual else std, self.init_seed, key)
 
@@ -127,6 +135,9 @@ class Transformer(nn.Module):
         self._tie_embeddings()
         if self.rope_cos is not None:
             self.rope_cos, self.rope_sin = rope_cache(self.config, device=self.rope_cos.device)
+        for _, moe in self.moe_layers():
+            moe.router.expert_bias.zero_()  # loaded weights that have one overwrite it
+            moe.reset_counts()
 
     def _tie_embeddings(self) -> None:
         if (
@@ -236,15 +247,30 @@ class Transformer(nn.Module):
                 f"shorten the prompt or generate fewer tokens."
             )
         weight = next(self.parameters())
+        device, dtype = device or weight.device, dtype or weight.dtype
+        config = self.config
         for layer in self.layers.values():
-            layer.attention.kv_cache = KVCache(
-                batch_size,
-                max_seq_len,
-                self.config.kv_heads,
-                self.config.head_dim,
-                device=device or weight.device,
-                dtype=dtype or weight.dtype,
+            layer.attention.kv_cache = (
+                LatentKVCache(batch_size, max_seq_len, config.mla, device=device, dtype=dtype)
+                if config.mla is not None
+                else KVCache(
+                    batch_size, max_seq_len, config.kv_heads, config.head_dim, device, dtype
+                )
             )
+
+    def moe_layers(self) -> list[tuple[str, MoE]]:
+        """``(block key, MoE layer)`` of every mixture-of-experts block this module holds."""
+        return [
+            (key, layer.feed_forward)
+            for key, layer in self.layers.items()
+            if isinstance(layer.feed_forward, MoE)
+        ]
+
+    def take_aux_loss(self) -> torch.Tensor | None:
+        """The MoE balance losses of the training forwards since the last call, summed over
+        the layers held here (None when there are none: no MoE, or a zero coefficient)."""
+        losses = [loss for _, moe in self.moe_layers() if (loss := moe.take_aux_loss()) is not None]
+        return torch.stack(losses).sum() if losses else None
 
     def clear_kv_cache(self) -> None:
         """Drop the KV caches, freeing their memory."""

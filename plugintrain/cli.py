@@ -11,8 +11,9 @@ import difflib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
 from jsonargparse import set_parsing_settings
 from jsonargparse.typing import import_object
 from lightning.fabric.plugins import CheckpointIO
@@ -153,6 +154,21 @@ def _display_callbacks(config: dict[str, Any], callbacks: list[Callback]) -> lis
     return shown
 
 
+MATMUL_PRECISION_HELP = (
+    "torch.set_float32_matmul_precision for fp32 matmuls, in every process: 'high' lets"
+    " them run on TF32 tensor cores (Ampere and newer NVIDIA GPUs: 10 mantissa bits,"
+    " several times the fp32 rate), 'medium' also on bf16 ones, 'highest' keeps full fp32."
+    " Unset: torch's default ('highest'), so '32-true' training never uses TF32. MFU's fp32"
+    " peak follows it (the TF32 rate unless 'highest')."
+)
+
+
+def _set_matmul_precision(precision: str | None) -> None:
+    """Apply ``--matmul_precision`` before the Trainer exists (its callbacks read it)."""
+    if precision is not None:
+        torch.set_float32_matmul_precision(precision)
+
+
 def _phase_profiler(enabled: bool, config: dict[str, Any]) -> list[Callback]:
     """A :class:`PhaseProfiler` with its defaults for ``--profile_phases``, unless the
     configured callbacks already hold one."""
@@ -176,6 +192,7 @@ class PluginTrainCLI(LightningCLI):
     model before training starts, and so is the tokenizer the token files were made with.
     ``--profile_phases true`` adds a :class:`~plugintrain.callbacks.PhaseProfiler` (a
     Chrome trace per rank and a per-phase table; ``--trainer.profiler`` selects Lightning's).
+    ``--matmul_precision high`` lets fp32 matmuls use TF32 (``torch.set_float32_matmul_precision``).
     ``trainer.precision`` names (``32-true``, ``bf16-true``, ``bf16-mixed``, ``16-mixed``)
     select plugintrain's precision plugins, and importing this module registers
     plugintrain's strategy names; ``--help`` lists both.
@@ -231,6 +248,12 @@ class PluginTrainCLI(LightningCLI):
             " (plugintrain.callbacks.PhaseProfiler with its defaults; configure it under"
             " trainer.callbacks for others): Chrome traces in the log directory and a"
             " per-phase table at the end.",
+        )
+        parser.add_argument(
+            "--matmul_precision",
+            type=Literal["highest", "high", "medium"] | None,
+            default=None,
+            help=MATMUL_PRECISION_HELP,
         )
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
@@ -312,6 +335,7 @@ class PluginTrainCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         _use_our_precision_plugin(config)
         _use_our_checkpoint_io(config)
+        _set_matmul_precision(self._get(self.config_init, "matmul_precision"))
         profiler = _phase_profiler(bool(self._get(self.config_init, "profile_phases")), config)
         return super()._instantiate_trainer(
             config, [*callbacks, *profiler, *_display_callbacks(config, callbacks)]

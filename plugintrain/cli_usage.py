@@ -37,6 +37,8 @@ _USER_ERRORS = (
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _GOT_VALUE = re.compile(r"Got value: (\S+)$")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (\S+)")
+_NOT_THE_VALUE = ("Expected a <class", "Does not validate against any of the Union subtypes")
+"""How jsonargparse lists a union's alternatives that failed for being another type."""
 _JSONARGPARSE = f"{os.sep}jsonargparse{os.sep}"
 
 
@@ -122,10 +124,11 @@ def user_message(error: BaseException, options: Sequence[str] = ()) -> str | Non
         )
     if message.startswith("Expected a <class"):
         # A union's `str` alternative failed last; the other alternative's error (what the
-        # class raised for the user's values) is listed in an outer union error.
+        # class raised for the user's values) is listed in an outer union error, maybe
+        # nested in the union of a field (a config's `moe: MoEConfig | None`).
         for e in chain:
-            items = [line[4:] for line in str(e).splitlines() if line.startswith("  - ")]
-            named = [item for item in items if not item.startswith("Expected a <class")]
+            items = [line.strip()[2:] for line in str(e).splitlines() if line.strip()[:2] == "- "]
+            named = [item for item in items if not item.startswith(_NOT_THE_VALUE)]
             if named:
                 return named[0].strip()
     if unrecognized := _UNRECOGNIZED.search(message):

@@ -5,12 +5,16 @@ Two seams, so no package imports another's internals:
 - Strategies know how a model is laid out across ranks; precision plugins need that
   knowledge to agree on found-inf and to clip by the global gradient norm. A strategy
   exposes a :class:`GradientLayout` through the :class:`GradientLayoutProvider` protocol,
-  and a plugin asks for one.
+  and a plugin asks for one. A strategy that casts the weights itself turns a plugin's
+  autocast off through :class:`AutocastSwitch`.
 - Model-parallel strategies need a few things from a LightningModule: its sizes, the
   module to shard, its tensor-parallel plan, its loss and a way to log a loss they
   computed. :class:`ParallelModule` declares them (and :class:`StagedModel` what the
   pipeline needs of the model itself); :func:`check_contract` names what a module lacks.
-  A model family that implements these runs under every plugintrain strategy.
+  A model family that implements these runs under every plugintrain strategy. Mixture of
+  experts adds :class:`ExpertLayer` and :class:`LocalTokenModule` (what expert and
+  tensor parallelism split or replicate), :class:`ExpertShape` (what they are checked
+  against) and :class:`HasAuxiliaryLoss` (the balance loss a pipeline stage adds).
 """
 
 from __future__ import annotations
@@ -197,6 +201,64 @@ class ShardFirstModule(Protocol):
         local shard only) to its part of the weights one process would build from
         ``init_seed`` (see :func:`plugintrain.initialization.seeded_normal_`)."""
         ...
+
+
+@runtime_checkable
+class HasAuxiliaryLoss(Protocol):
+    """A model whose training forwards leave a loss term to add to the task loss (the zoo's
+    ``Transformer``: its mixture-of-experts balance losses). A pipeline stage takes it
+    after each micro-batch's forward and backpropagates it with the loss's scaling."""
+
+    def take_aux_loss(self) -> Tensor | None:
+        """The auxiliary loss of the forwards since the last call (None: none), cleared."""
+        ...
+
+
+@runtime_checkable
+class ExpertShape(Protocol):
+    """A model config that may hold mixture-of-experts layers (``TransformerConfig``):
+    what expert parallelism is checked against before any process starts."""
+
+    name: str
+    n_layer: int
+    moe: Any
+    """The layers' routing settings (``n_routed_experts``, ``first_k_dense``,
+    ``aux_loss_coeff``, ``is_moe_layer(i)``), or None: every layer is dense."""
+
+
+@runtime_checkable
+class ExpertLayer(Protocol):
+    """A mixture-of-experts layer that expert parallelism splits (the zoo's ``MoE``).
+
+    ``experts`` holds every routed expert's weights stacked along dim 0; once ``ep_group``
+    is set, the layer exchanges tokens over it and expects rank ``r`` of the group to
+    hold experts ``[r E / ep, (r + 1) E / ep)`` as the local shards of its DTensors.
+    Under sequence parallelism ``sequence_group`` is the group holding the other
+    sequence shards of its tokens (a sequence-wise balance loss sums over it).
+    """
+
+    experts: nn.Module
+    ep_group: dist.ProcessGroup | None
+    sequence_group: dist.ProcessGroup | None
+
+
+@runtime_checkable
+class LocalTokenModule(Protocol):
+    """A module that runs replicated parameters on this rank's own tokens (a sequence shard)
+    as plain tensors: with ``partial_grad`` set it marks their DTensor gradients
+    ``Partial``, to be summed over the ranks that share the parameters."""
+
+    partial_grad: bool
+
+
+@runtime_checkable
+class AutocastSwitch(Protocol):
+    """A precision plugin whose forwards autocast, which a strategy that casts the weights
+    itself (FSDP2 with a ``MixedPrecisionPolicy``) turns off: autocast would keep a second
+    low-precision copy of every weight beside the one the strategy gathered."""
+
+    autocast: bool
+    """Whether forwards run under autocast."""
 
 
 @runtime_checkable

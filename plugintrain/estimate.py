@@ -8,16 +8,20 @@ rank by rank, in five parts:
 - **parameters, gradients, optimizer state**: exactly what the strategies keep between
   steps. The model is built once on the meta device (so names, shapes, tied weights and
   LoRA adapters are the real ones), each parameter is cut as the tensor-parallel plan
-  cuts it and kept on the pipeline stages that hold it, and the gradient engine's own
-  :func:`~plugintrain.strategies.grad_engine.assign_buckets` and padding lay it out in
-  flat buckets: a rank holds every bucket's parameters and, at ZeRO 0/1, its gradients
-  (ZeRO-2: the owned 1/dp slice); AdamW keeps ``exp_avg`` and ``exp_avg_sq`` in the
-  parameters' dtype plus a 4-byte ``step`` per tensor it steps (the owned slices under
-  ZeRO-1/2). Without the engine (one device) each trainable parameter has its own
-  ``.grad``. FSDP2 (``zero_stage=3``) shards every parameter's first dim, padded.
+  cuts it (and a mixture of experts' stacked expert weights as expert parallelism does:
+  ``1/ep`` of the experts each) and kept on the pipeline stages that hold it, and the
+  gradient engine's own :func:`~plugintrain.strategies.grad_engine.assign_buckets` and
+  padding lay it out in flat buckets: a rank holds every bucket's parameters and, at
+  ZeRO 0/1, its gradients (ZeRO-2: the owned slice, 1/dp of a bucket, or 1/(dp/ep) of an
+  expert bucket, which is reduced over the ranks holding the same experts); AdamW keeps
+  ``exp_avg`` and ``exp_avg_sq`` in the parameters' dtype plus a 4-byte ``step`` per
+  tensor it steps (the owned slices under ZeRO-1/2). Without the engine (one device)
+  each trainable parameter has its own ``.grad``. FSDP2 (``zero_stage=3``) shards every
+  parameter's first dim, padded.
 - **activations**: what one micro-batch's forward saves for backward, term by term per
   token (measured with :class:`~plugintrain.memory.LiveTensorMemory` on the zoo's blocks,
-  see :func:`block_saved_bytes`), times the micro-batches a pipeline rank holds at once
+  see :func:`block_saved_bytes`; a mixture-of-experts block by its routed ``tokens x
+  top_k`` assignments), times the micro-batches a pipeline rank holds at once
   under its schedule (the schedule's own actions are walked), plus the largest transient
   of the step: the loss's ``(B, T, V)`` gradients at the start of backward, or a
   recomputed block.
@@ -71,7 +75,7 @@ class Layout:
     vpp: int = 1
     """Model chunks per pipeline rank."""
     ep: int = 1
-    """Expert-parallel ranks (no zoo model has experts yet: only 1)."""
+    """Expert-parallel ranks, borrowed from the dp ranks (models with MoE layers only)."""
     zero_stage: int = 0
     """``hybrid``'s ZeRO stage: 0, 1, 2 (our engine) or 3 (FSDP2); set by the other names."""
     precision: str = "32-true"
@@ -148,10 +152,8 @@ class Layout:
         from plugintrain.strategies.mesh import ParallelDims
         from plugintrain.strategies.pipeline import PipelineOptions, check_layers
 
-        if self.ep > 1:
-            raise ValueError(
-                f"ep={self.ep}: {config.name} has no experts to split (no MoE layers); use ep=1"
-            )
+        if self.dp % self.ep:  # a model without experts: say so, not that dp is too small
+            ParallelDims(expert_parallel=self.ep).validate_experts(config)
         if self.seq_len > config.block_size:
             raise ValueError(
                 f"seq_len={self.seq_len} exceeds {config.name}'s block_size="
@@ -168,6 +170,7 @@ class Layout:
             sequence_parallel=self.sp,
             pipeline_parallel=self.pp,
             virtual_pipeline_parallel=self.vpp,
+            expert_parallel=self.ep,
             zero_stage=self.stage or 0,
         )
         dims.validate_model(config, self.seq_len)
@@ -232,7 +235,7 @@ def estimate(config: TransformerConfig, layout: Layout) -> Estimate:
         ValueError: If ``config`` cannot train on ``layout`` (:meth:`Layout.check`).
     """
     layout.check(config)
-    params = _model_params(_config_key(config), layout.lora_r, layout.lora_targets)
+    params = _model_params(_config_key(config), layout.lora_r, layout.lora_targets, layout.tp > 1)
     ranks = []
     for pp_rank in range(layout.pp):
         held = _stage_params(params, config, layout, pp_rank)
@@ -276,6 +279,8 @@ class _Param:
     trainable: bool
     tp_dim: int | None
     """The dim tensor parallelism splits; None: replicated on every tp rank."""
+    expert: bool
+    """A stacked expert weight: expert parallelism splits its dim 0."""
 
 
 def _config_key(config: TransformerConfig) -> tuple:
@@ -284,11 +289,15 @@ def _config_key(config: TransformerConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=16)
-def _model_params(key: tuple, lora_r: int, lora_targets: tuple[str, ...]) -> tuple[_Param, ...]:
+def _model_params(
+    key: tuple, lora_r: int, lora_targets: tuple[str, ...], tensor_parallel: bool
+) -> tuple[_Param, ...]:
     """The zoo model's parameters, built on the meta device, with LoRA put in as the LoRA
-    callback does, and the dim the family's tensor-parallel plan splits each along."""
+    callback does, and the dim the family's tensor-parallel plan splits each along (the
+    plan is read, as the strategies read it, only with ``tensor_parallel``)."""
     from plugintrain import lora
     from plugintrain.model_zoo import CausalLM
+    from plugintrain.strategies.expert_parallel import expert_layers
     from plugintrain.strategies.tensor_parallel import expand_plan
 
     config = _config_from_key(key)
@@ -297,15 +306,17 @@ def _model_params(key: tuple, lora_r: int, lora_targets: tuple[str, ...]) -> tup
         module.configure_model()  # draws the init seed from the forked generator
     if lora_r:
         lora.inject(module, lora.LoRASpec(r=lora_r, target_modules=lora_targets))
-    styles = expand_plan(module, module.tp_plan(), sequence_parallel=False)
+    styles = expand_plan(module, module.tp_plan(), False) if tensor_parallel else {}
     modules = dict(module.named_modules())
+    experts = {f"{path}.experts" for path, _ in expert_layers(module)}
     idents: dict[int, int] = {}
     params = []
     for index, (name, param) in enumerate(module.named_parameters(remove_duplicate=False)):
         path, _, leaf = name.rpartition(".")
         dim = _tp_dim(modules[path], leaf, styles.get(path))
         ident = idents.setdefault(id(param), len(idents))
-        params.append(_Param(index, ident, name, tuple(param.shape), param.requires_grad, dim))
+        shape, trains = tuple(param.shape), param.requires_grad
+        params.append(_Param(index, ident, name, shape, trains, dim, path in experts))
     return tuple(params)
 
 
@@ -350,6 +361,8 @@ class _Local:
     dtype: torch.dtype
     trainable: bool
     shape: tuple[int, ...]
+    expert: bool = False
+    """Reduced over the ranks holding the same experts (dp / ep of them), not over dp."""
 
     def numel(self) -> int:
         return self.size
@@ -381,7 +394,9 @@ def _stage_params(
         shape = list(p.shape)
         if p.tp_dim is not None:
             shape[p.tp_dim] //= layout.tp
-        held.append(_Local(math.prod(shape), dtype, p.trainable, tuple(shape)))
+        if p.expert:
+            shape[0] //= layout.ep
+        held.append(_Local(math.prod(shape), dtype, p.trainable, tuple(shape), p.expert))
     return held
 
 
@@ -409,27 +424,35 @@ def _engine_state(
 ) -> list[tuple[int, int, int]]:
     """The gradient engine's flat buckets, for each rank of the dp group.
 
-    Every rank holds each bucket's parameters, padded to a multiple of dp; its gradients
-    whole at stage 0/1 and as the owned 1/dp slice at stage 2; and AdamW state for the part
-    of each parameter inside its owned slice (all of it at stage 0).
+    Every rank holds each bucket's parameters, padded to a multiple of its group's size
+    (dp; for expert weights the dp / ep ranks holding the same experts); its gradients
+    whole at stage 0/1 and as the owned slice at stage 2; and AdamW state for the part of
+    each parameter inside its owned slice (all of it at stage 0).
     """
     from plugintrain.strategies.grad_engine import assign_buckets, padded_numel
 
-    dp = layout.dp
     params = grads = 0
-    state = [0] * dp
-    for indices in assign_buckets(trainable, layout.bucket_size_mb) if trainable else []:
+    state = [0] * layout.dp
+    groups = [p.expert for p in trainable]
+    for indices in assign_buckets(trainable, layout.bucket_size_mb, groups) if trainable else []:
         members = [trainable[i] for i in indices]
-        size = members[0].element_size()
-        padded = padded_numel(sum(p.size for p in members), dp)
+        size, group = members[0].element_size(), _group_size(members[0], layout)
+        padded = padded_numel(sum(p.size for p in members), group)
         params += padded * size
-        grads += (padded // dp if stage == 2 else padded) * size
+        grads += (padded // group if stage == 2 else padded) * size
         if stage == 0:
-            state = [s + _adam_bytes(members) for s in state]
+            owned = [_adam_bytes(members)] * group
         else:
-            owned = _owned_state(members, padded // dp, dp)
-            state = [s + o for s, o in zip(state, owned, strict=True)]
+            owned = _owned_state(members, padded // group, group)
+        # The mesh flattens ("edp", "ep") into dp: dp rank r is rank r // ep of its group.
+        stride = layout.ep if members[0].expert else 1
+        state = [s + owned[rank // stride] for rank, s in enumerate(state)]
     return [(params, grads, s) for s in state]
+
+
+def _group_size(param: _Local, layout: Layout) -> int:
+    """The ranks ``param``'s gradient is reduced over: dp, or dp / ep for an expert weight."""
+    return layout.dp // layout.ep if param.expert else layout.dp
 
 
 def _owned_state(members: list[_Local], shard: int, dp: int) -> list[int]:
@@ -504,8 +527,10 @@ class _Widths:
         )
 
 
-def block_saved_bytes(config: TransformerConfig, layout: Layout, recompute: str) -> float:
-    """Bytes one transformer block saves for backward, per token of a micro-batch.
+def block_saved_bytes(
+    config: TransformerConfig, layout: Layout, recompute: str, index: int = 0
+) -> float:
+    """Bytes transformer block ``index`` saves for backward, per token of a micro-batch.
 
     Term by term, as measured with :class:`~plugintrain.memory.LiveTensorMemory` on the
     zoo's blocks (fp32 matches to the byte on gpt2/llama3/qwen3-debug): the block input;
@@ -516,9 +541,11 @@ def block_saved_bytes(config: TransformerConfig, layout: Layout, recompute: str)
     and log-sum-exp (fused attention, no T x T matrix); the residual sum; and the MLP's
     intermediates (GELU: 2, SwiGLU: 4 of the FFN width). ``selective`` keeps the block
     input, every matmul output, attention's outputs and the collectives' results; ``full``
-    only the block input.
+    only the block input. A mixture-of-experts block's feed-forward is
+    :func:`_moe_saved`'s instead of the MLP's.
     """
     w = _Widths.of(config, layout)
+    sparse = config.moe is not None and config.moe.is_moe_layer(index)
     x = w.res * w.d * w.seq
     if recompute == "full":
         return x
@@ -527,13 +554,33 @@ def block_saved_bytes(config: TransformerConfig, layout: Layout, recompute: str)
         tp_collectives = (2 * w.res * w.d * w.seq if layout.tp > 1 else 0) + (
             2 * w.res * w.d if layout.sp else 0
         )  # the rowwise outputs' reduction, the gathered inputs
-        matmuls = w.dq + 2 * w.dkv + w.d + linears_in[1] * w.ffn + w.d
-        return x + w.act * (matmuls + w.dq) + 4 * w.heads + tp_collectives
+        ffn = _moe_saved(config, w, matmuls_only=True) if sparse else w.act * linears_in[1] * w.ffn
+        matmuls = w.dq + 2 * w.dkv + w.d + w.d
+        return x + w.act * (matmuls + w.dq) + ffn + 4 * w.heads + tp_collectives
     norms = sum(_norm_saved(config, w, n) for n in linears_in)
     attention = w.act * (w.dq + 2 * w.dkv) + _qk_norm_saved(config, w)
     attention += w.act * w.dq + 4 * w.heads  # output and log-sum-exp (fp32)
     mlp = (4 if config.mlp == "swiglu" else 2) * w.ffn * w.act
+    mlp = _moe_saved(config, w) if sparse else mlp
     return 2 * x + norms + attention + mlp  # x: the block input and the residual sum
+
+
+def _moe_saved(config: TransformerConfig, w: _Widths, matmuls_only: bool = False) -> float:
+    """A mixture-of-experts feed-forward's saved bytes per token, approximately (not
+    measured): each of the ``top_k`` routed copies of a token keeps its gathered input,
+    its expert's SwiGLU intermediates (4 of the expert width, as a dense SwiGLU) and its
+    weighted output; the shared experts a SwiGLU of their width; the router its fp32 input
+    and scores. Tensor parallelism does not split the layer (under SP each rank routes its
+    own sequence shard); expert parallelism moves the copies, not their number.
+    ``matmuls_only``: what selective recomputation keeps (the grouped and shared matmuls'
+    outputs). Experts are assumed balanced: the padding to the busiest is not counted."""
+    moe = config.moe
+    shared = moe.n_shared_experts * moe.moe_intermediate_size
+    width, k = moe.moe_intermediate_size, moe.top_k
+    if matmuls_only:
+        return w.act * w.seq * (k * (2 * width + w.d) + 2 * shared + w.d)
+    routed = k * (2 * w.d + 4 * width) + 4 * shared + w.d
+    return w.act * w.seq * routed + 4 * w.seq * (w.d + 2 * moe.n_routed_experts)
 
 
 def _norm_saved(config: TransformerConfig, w: _Widths, readers: int) -> float:
@@ -586,7 +633,7 @@ def _chunk(
     last = stage == layout.pp * layout.vpp - 1
     modes = {i: _recompute_mode(layout, i) for i in layers}
     kept = [i for i in layers if modes[i] == "none"]
-    saved = tokens * sum(block_saved_bytes(config, layout, m) for m in modes.values())
+    saved = tokens * sum(block_saved_bytes(config, layout, m, i) for i, m in modes.items())
     saved += _rope_tables(config, layout) if layers else 0
     saved += _weight_casts(params, layout, set(kept) | ({"last"} if last else set()))
     # Autocast's cache holds a recomputed block's casts until the forward ends.
@@ -595,8 +642,14 @@ def _chunk(
         saved += 8 * layout.seq_len  # the positions (int64), kept by the embedding lookup
     # Backward of a block: what recomputation brings back, plus the gradients in flight
     # through it (about three FFN-wide and two residual-wide tensors).
-    full = block_saved_bytes(config, layout, "none")
-    rerun = max((full - block_saved_bytes(config, layout, modes[i]) for i in layers), default=0)
+    rerun = max(
+        (
+            block_saved_bytes(config, layout, "none", i)
+            - block_saved_bytes(config, layout, modes[i], i)
+            for i in layers
+        ),
+        default=0,
+    )
     backward = tokens * (rerun + w.act * (3 * w.ffn + 2 * w.d)) if layers else 0.0
     if last:
         head = _norm_saved(config, w, 1) + w.res * w.d * w.seq  # final norm and its input
@@ -636,7 +689,7 @@ def activation_bytes(config: TransformerConfig, layout: Layout, pp_rank: int) ->
 
     stages = layout.pp * layout.vpp
     keys = stage_layer_keys(config.n_layer, stages, layout.layers_per_stage)
-    params = _model_params(_config_key(config), layout.lora_r, layout.lora_targets)
+    params = _model_params(_config_key(config), layout.lora_r, layout.lora_targets, layout.tp > 1)
     chunks = []
     for c in range(layout.vpp):
         stage = c * layout.pp + pp_rank
@@ -689,10 +742,13 @@ def _communication_bytes(held: list[_Local], layout: Layout) -> int:
     if layout.stage == 3:
         root = sum(p.size * p.element_size() for p in held if len(p.shape) == 2)
         return root  # an upper bound: the blocks' units are smaller than the root's
+    groups = [p.expert for p in trainable]
     sizes = sorted(
-        padded_numel(sum(trainable[i].size for i in indices), layout.dp)
+        padded_numel(
+            sum(trainable[i].size for i in indices), _group_size(trainable[indices[0]], layout)
+        )
         * trainable[indices[0]].element_size()
-        for indices in assign_buckets(trainable, layout.bucket_size_mb)
+        for indices in assign_buckets(trainable, layout.bucket_size_mb, groups)
     )
     return sum(sizes) if layout.pp > 1 else sum(sizes[-2:])
 

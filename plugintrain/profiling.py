@@ -49,6 +49,7 @@ PARAM_BROADCAST: Final = "param_broadcast"
 PIPELINE_POST: Final = "pipeline_post"
 PIPELINE_RECV_WAIT: Final = "pipeline_recv_wait"
 PIPELINE_SEND_WAIT: Final = "pipeline_send_wait"
+EXPERT_ALL_TO_ALL: Final = "expert_all_to_all"
 
 PHASES: Final[dict[str, str]] = {
     TRAIN_STEP: "one training batch, from Lightning's on_train_batch_start to its end",
@@ -63,6 +64,8 @@ PHASES: Final[dict[str, str]] = {
     PIPELINE_POST: "posting one batch of pipeline sends and receives",
     PIPELINE_RECV_WAIT: "waiting for one pipeline activation or gradient to arrive",
     PIPELINE_SEND_WAIT: "waiting for one sent pipeline tensor to be delivered",
+    EXPERT_ALL_TO_ALL: "one MoE layer's token exchange over the expert-parallel ranks"
+    " (counts and tokens out, or outputs back)",
 }
 """The ranges plugintrain records, by name (the :func:`record` names used in the code)."""
 

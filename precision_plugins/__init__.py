@@ -14,7 +14,9 @@ from plugintrain.precision_plugins.base import LayoutAwarePrecision, clip_grads_
 from plugintrain.precision_plugins.mixed import BF16MixedPrecision, FP16MixedPrecision
 from plugintrain.precision_plugins.registry import (
     PRECISION_PLUGINS,
+    PrecisionDtypes,
     canonical_precision_name,
+    precision_dtypes,
     precision_plugin_from_name,
 )
 from plugintrain.precision_plugins.scaler import DynamicLossScaler
@@ -28,7 +30,9 @@ __all__ = [
     "FP16MixedPrecision",
     "FP32Precision",
     "LayoutAwarePrecision",
+    "PrecisionDtypes",
     "canonical_precision_name",
     "clip_grads_by_global_norm_",
+    "precision_dtypes",
     "precision_plugin_from_name",
 ]

@@ -10,6 +10,10 @@ it in two ways:
   motivated turning it off no longer loses gradients in torch >= 2.13.
 - ``16-mixed`` stays float16 on CPU (Lightning silently switches it to bf16) and scales
   with :class:`DynamicLossScaler`, whose found-inf is agreed across the whole model.
+
+A strategy that casts the weights itself turns autocast off (``autocast = False``, see
+:class:`~plugintrain.distributed.AutocastSwitch`): FSDP2 with a ``MixedPrecisionPolicy``
+gathers bf16 weights, and autocast would keep bf16 copies of its own beside them.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def _device_type(model: Module) -> str | None:
 
 class _AutocastPrecision(LayoutAwarePrecision, MixedPrecision):
     """Autocast with the weight cache on, on the device the model lives on."""
+
+    autocast: bool = True
+    """Whether forwards run under autocast; off while the strategy casts the weights."""
 
     def __init__(self, precision: Literal["bf16-mixed", "16-mixed"], device: str | None) -> None:
         # MixedPrecision.__init__ is skipped on purpose: for fp16 it would build a torch
@@ -77,7 +84,10 @@ class _AutocastPrecision(LayoutAwarePrecision, MixedPrecision):
 
     @override
     def autocast_context_manager(self) -> torch.autocast:
-        return torch.autocast(self.device, dtype=self.dtype, cache_enabled=True)
+        # Disabled (rather than absent) when the strategy casts: nothing autocasts inside.
+        return torch.autocast(
+            self.device, dtype=self.dtype, enabled=self.autocast, cache_enabled=True
+        )
 
 
 class BF16MixedPrecision(_AutocastPrecision):

@@ -9,6 +9,7 @@ Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``z
 from lightning.pytorch.strategies import StrategyRegistry
 
 from plugintrain.strategies.blocks import RECOMPUTE_MODES, BlockOptions
+from plugintrain.strategies.expert_parallel import expert_reduce_groups, parallelize_experts
 from plugintrain.strategies.grad_engine import (
     ELEMENTWISE_OPTIMIZERS,
     PARAMETER_SERVER,
@@ -20,7 +21,7 @@ from plugintrain.strategies.grad_engine import (
     register_elementwise_optimizer,
 )
 from plugintrain.strategies.hybrid import HybridParallelStrategy
-from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
 from plugintrain.strategies.parallelize import (
     build_engine,
     hybrid_gradient_layout,
@@ -75,9 +76,12 @@ __all__ = [
     "build_engine",
     "build_schedule",
     "check_shardable",
+    "data_parallel_mesh",
+    "expert_reduce_groups",
     "hybrid_gradient_layout",
     "optimizer_state_bytes",
     "parallelize",
+    "parallelize_experts",
     "register_elementwise_optimizer",
     "shard_model",
     "simulate",

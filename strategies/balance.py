@@ -31,6 +31,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
+from plugintrain.distributed import ExpertShape
 from plugintrain.profiling import device_seconds
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline import PipelineOptions
@@ -322,8 +323,17 @@ def measure_one_block(
     forward = precision_plugin.forward_context if precision_plugin else nullcontext
     with torch.random.fork_rng(devices=devices):
         with torch.device(device), init():
-            model = Transformer(dataclasses.replace(config, n_layer=1))
+            model = Transformer(_one_block(config))
         return measure_costs(model, micro_batch, seq_len, config.vocab_size, forward)
+
+
+def _one_block(config: Any) -> Any:
+    """``config`` with one block; a mixture of experts' one block is an MoE block (most of
+    its blocks are: the dense first ones are timed as MoE blocks too)."""
+    if not isinstance(config, ExpertShape) or config.moe is None:
+        return dataclasses.replace(config, n_layer=1)
+    moe = dataclasses.replace(config.moe, first_k_dense=0)
+    return dataclasses.replace(config, n_layer=1, moe=moe)
 
 
 def balance_stages(

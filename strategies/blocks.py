@@ -11,8 +11,10 @@ gradient engine):
      during backward. ``every_n_layers=n`` applies it to blocks ``0, n, 2n, ...`` (by
      full-model index, so the choice does not depend on the pipeline split).
    - ``selective`` reruns only the cheap operators: norms, RoPE, the SwiGLU product,
-     residual adds and casts. It keeps the outputs of the matmuls, of fused attention and
-     of the collectives. This is torchtitan's op-level policy with every matmul saved.
+     residual adds and casts. It keeps the outputs of the matmuls, of fused attention,
+     of the collectives and of the MoE routers' top-k (so a recomputed forward routes
+     tokens exactly as the first one did). This is torchtitan's op-level policy with
+     every matmul saved.
      When attention runs unfused (the math kernel: with an attention mask or dropout),
      its score and softmax operators are not on the save list. They are recomputed,
      as Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
@@ -63,13 +65,17 @@ _ATTENTION = (
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
 )
-# Outputs kept by selective recomputation: matmuls (Linear layers decompose to mm/addmm),
-# fused attention kernels (output and log-sum-exp), and collectives, so that backward
-# recomputes no communication.
+# Outputs kept by selective recomputation: matmuls (Linear layers decompose to mm/addmm,
+# the grouped experts of a mixture of experts run as bmm), fused attention kernels (output
+# and log-sum-exp), collectives, so that backward recomputes no communication, and the
+# routers' top-k choice, so that a recomputed forward routes every token to the experts
+# its first forward chose (its outputs are small: two (tokens, k) tensors).
 _SAVED_OPS = frozenset(
     {
         _aten.mm.default,
         _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.topk.default,
         *_ATTENTION,
         _c10d.all_gather_into_tensor.default,
         _c10d.reduce_scatter_tensor.default,

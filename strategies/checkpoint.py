@@ -194,8 +194,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         # Older checkpoints hold per-rank byte streams: a BytesIO rebuilds from its bytes.
+        # On the host: a stream saved on cuda:k would otherwise land on cuda:k here.
         with torch.serialization.safe_globals([io.BytesIO]):
-            loaded = torch.load(value, weights_only=True)
+            loaded = torch.load(value, weights_only=True, map_location="cpu")
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
@@ -397,7 +398,8 @@ def read_rest(reader: Any) -> dict[str, Any]:
     unpickling anything but tensors and plain data."""
     if isinstance(reader, SingleFileReader):
         return dict(reader.rest)
-    return load_torch_file(Path(reader.path) / LIGHTNING_METADATA)
+    # On the host whatever device the saving rank's tensors (callbacks', loops') were on.
+    return load_torch_file(Path(reader.path) / LIGHTNING_METADATA, map_location="cpu")
 
 
 def load_weights(path: Path, model: nn.Module) -> dict[str, Any]:
@@ -581,7 +583,9 @@ class EngineCheckpoint:
             if self._shard_key in loaded:  # an older per-rank byte stream
                 buffer = loaded[self._shard_key]
                 buffer.seek(0)
-                optimizer.load_state_dict(torch.load(buffer, weights_only=True))
+                # The optimizer moves the state to its parameters' device as it loads it.
+                state = torch.load(buffer, weights_only=True, map_location="cpu")
+                optimizer.load_state_dict(state)
             else:
                 self.engine.load_shard_states(optimizer, targets, loaded["param_groups"])
         return read_rest(reader)

@@ -19,14 +19,34 @@ of the owned range per original parameter (so weight-decay groups survive), and 
 being the user's optimizer object (so LR schedulers keep working).
 
 The engine knows nothing about Lightning: it runs on any process group, so a hybrid
-strategy can run it on the ``dp`` sub-mesh's group.
+strategy can run it on the ``dp`` sub-mesh's group. Some parameters may be reduced over a
+group of their own (``reduce_groups``: under expert parallelism, each expert's weights
+over the ranks holding that expert): buckets are formed per group, and each bucket
+reduces, shards (ZeRO-1/2) and syncs over its group, while every gradient is averaged
+by the data-parallel degree.
+
+Collectives are launched in one fixed order, the same on every rank, as NCCL needs (a
+rank that launched bucket 2 before bucket 1 while its peers did the reverse would hang
+or silently add the wrong buffers): a bucket whose gradients are all in launches itself
+and the complete buckets after it only once every earlier bucket has launched; the rest
+launch at the end of backward, in bucket order. A parameter that gets no gradient on a
+rank (unused in that rank's forward) therefore counts as a zero gradient there, as with
+DDP's ``find_unused_parameters=True``: its bucket and the ones after it wait for the end
+of that rank's backward, and every rank still joins the same collectives in the same
+order.
+
+Gradients that a tensor-parallel layer leaves ``Partial`` over tp (a replicated
+sequence-parallel norm weight, a mixture-of-experts layer run on a sequence shard) are
+accumulated as they are and summed over tp once per step, after the data-parallel
+reduction, on the slice each rank owns (summing over tp and over dp commute), instead of
+an all-reduce inside every gradient hook of every micro-batch.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
@@ -114,8 +134,11 @@ def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * size, (rank + 1) * size
 
 
-def assign_buckets(params: list[Tensor], bucket_size_mb: float) -> list[list[int]]:
-    """Group parameter indices into same-dtype buckets of about ``bucket_size_mb``.
+def assign_buckets(
+    params: list[Tensor], bucket_size_mb: float, groups: Sequence[Hashable] | None = None
+) -> list[list[int]]:
+    """Group parameter indices into buckets of about ``bucket_size_mb`` whose parameters share
+    a dtype (and ``groups[i]``, their reduction group, when given).
 
     Parameters are taken in reverse, the order backward produces their gradients (as torch
     DDP does), so the first bucket fills first and its reduction overlaps the rest of
@@ -125,18 +148,19 @@ def assign_buckets(params: list[Tensor], bucket_size_mb: float) -> list[list[int
     """
     limit = bucket_size_mb * 2**20
     buckets: list[list[int]] = []
-    open_by_dtype: dict[torch.dtype, tuple[list[int], int]] = {}
+    open_by_kind: dict[tuple[Hashable, torch.dtype], tuple[list[int], int]] = {}
     for index in reversed(range(len(params))):
         param = params[index]
         nbytes = _local(param).numel() * param.element_size()
-        indices, size = open_by_dtype.get(param.dtype, ([], 0))
+        kind = (None if groups is None else groups[index], param.dtype)
+        indices, size = open_by_kind.get(kind, ([], 0))
         if indices and size + nbytes > limit:
             indices, size = [], 0
         if not indices:
             buckets.append(indices)
         indices.append(index)
         size += nbytes
-        open_by_dtype[param.dtype] = ([], 0) if size >= limit else (indices, size)
+        open_by_kind[kind] = ([], 0) if size >= limit else (indices, size)
     return buckets
 
 
@@ -161,6 +185,9 @@ class _BucketEntry:
     numel: int
     shard: nn.Parameter | None = None
     shard_offset: int = 0
+    partial_groups: tuple[dist.ProcessGroup, ...] = ()
+    """The groups the accumulated gradient is still to be summed over (its ``Partial`` tp
+    dims, see :func:`_local_grad`); empty for a gradient that arrives whole."""
 
     def shard_of(self, full: Tensor) -> Tensor:
         """The part of a full, parameter-shaped tensor that this rank's shard covers."""
@@ -175,6 +202,8 @@ class _Bucket:
 
     params: Tensor
     owned: tuple[int, int]
+    scheme: _AllReduce
+    """How the bucket is reduced and synced, over which group."""
     entries: list[_BucketEntry] = field(default_factory=list)
     grads: Tensor | None = None
     shard_grads: Tensor | None = None
@@ -189,6 +218,11 @@ class _Bucket:
     launched: bool = False
     """Whether this pass's collective has been started."""
     work: dist.Work | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether every parameter of the bucket got its gradient in this backward pass."""
+        return self.grads_arrived == len(self.entries)
 
     def grad_buffer(self) -> Tensor:
         """The flat gradient buffer, zeroed on first use after the last reduction.
@@ -219,14 +253,27 @@ class _StateMeta:
 
     @classmethod
     def of(cls, values: dict[str, Any], numel: int) -> _StateMeta:
-        """Describe ``values``, the state of a shard of ``numel`` elements."""
+        """Describe ``values``, the state of a shard of ``numel`` elements, with scalar
+        tensors copied to the host (see :func:`host_scalar`)."""
         meta = cls()
         for key, value in values.items():
             if is_elementwise(value, numel):
                 meta.sharded.add((key, value.dtype))
             else:
-                meta.scalars[key] = value
+                meta.scalars[key] = host_scalar(value)
         return meta
+
+
+def host_scalar(value: Any) -> Any:
+    """``value`` with a tensor moved to the CPU (a copy; other values as they are).
+
+    Fused or capturable AdamW keeps ``step`` as a scalar tensor on the parameter's GPU.
+    Pickled through an object collective, it would be unpickled onto that same ``cuda:k``
+    on every other rank (creating a CUDA context on a GPU that is not theirs) and saved as
+    a ``cuda:k`` tensor in the checkpoint; the optimizer's ``load_state_dict`` moves it
+    back to each parameter's device.
+    """
+    return value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
 
 
 class _AllReduce:
@@ -375,7 +422,7 @@ def _pack_bucket(
         flat = first.detach().view(-1)  # adopt its storage: no second copy of a big tensor
     else:
         flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
-    bucket = _Bucket(params=flat, owned=scheme.owned(flat.numel()))
+    bucket = _Bucket(params=flat, owned=scheme.owned(flat.numel()), scheme=scheme)
     offset = 0
     for name, param in named:
         local = _local(param)
@@ -403,43 +450,75 @@ def _make_entry(name: str, param: Tensor, bucket: _Bucket, offset: int) -> _Buck
     return entry
 
 
-def _broadcast_params(buckets: list[_Bucket], scheme: _AllReduce) -> None:
-    """Start every replica from group rank 0's weights, as torch DDP does."""
+def _broadcast_params(buckets: list[_Bucket]) -> None:
+    """Start every replica from its group's rank 0's weights, as torch DDP does."""
     works = [
-        dist.broadcast(bucket.params, src=scheme.root, group=scheme.group, async_op=True)
-        for bucket in buckets
+        dist.broadcast(b.params, src=b.scheme.root, group=b.scheme.group, async_op=True)
+        for b in buckets
     ]
     for work in works:
         work.wait()
 
 
 class _Reductions:
-    """The collectives of a backward pass, bucket by bucket.
+    """The collectives of a backward pass, bucket by bucket, launched in bucket order.
 
-    ZeRO-2 frees each bucket's full gradients once reduced; completing the previous
-    bucket's collective before starting the next bounds how many exist at once (the
-    backpressure DeepSpeed's buckets apply).
+    Every rank of a group must start the same collectives in the same order, so buckets
+    that become complete launch only once every earlier bucket has launched
+    (:meth:`launch_ready`); :meth:`drain` launches the rest in order. ZeRO-2 frees each
+    bucket's full gradients once reduced; completing the previous bucket's collective
+    before starting the next bounds how many exist at once (the backpressure DeepSpeed's
+    buckets apply).
     """
 
-    def __init__(self, buckets: list[_Bucket], scheme: _AllReduce) -> None:
+    def __init__(self, buckets: list[_Bucket], divisor: int) -> None:
         self.buckets = buckets
-        self.scheme = scheme
+        self.divisor = divisor
+        """What every summed gradient is divided by: the data-parallel degree."""
         self.in_flight: deque[_Bucket] = deque()
+        self.next = 0
+        """Index of the first bucket not launched in this pass (all before it are)."""
 
     def launch(self, bucket: _Bucket) -> None:
         """Start ``bucket``'s collective (after completing older ones, under ZeRO-2)."""
-        bounded = self.scheme.reduces_each_pass
+        bounded = bucket.scheme.reduces_each_pass
         while bounded and len(self.in_flight) >= MAX_FULL_BUCKETS_IN_FLIGHT:
             self._complete(self.in_flight.popleft())
-        bucket.work, bucket.launched = self.scheme.reduce(bucket), True
+        bucket.work, bucket.launched = bucket.scheme.reduce(bucket), True
         self.in_flight.append(bucket)
+
+    def launch_ready(self) -> None:
+        """Launch the complete buckets that follow the launched ones, in bucket order; stop
+        at the first incomplete bucket (it launches once complete, or at :meth:`drain`)."""
+        while self.next < len(self.buckets):
+            bucket = self.buckets[self.next]
+            if not bucket.launched:
+                if not bucket.complete:
+                    return
+                self.launch(bucket)
+            self.next += 1
+
+    def launch_holding(self, wanted: set[int]) -> None:
+        """Launch, in bucket order, the buckets holding parameters whose ``id`` is in
+        ``wanted`` (see :meth:`GradientEngine.launch`)."""
+        for bucket in self.buckets:
+            held = [id(entry.param) in wanted for entry in bucket.entries]
+            if bucket.launched or not any(held):
+                continue
+            if not all(held):
+                foreign = bucket.entries[held.index(False)].name
+                raise ValueError(
+                    f"Cannot reduce a bucket early that also holds {foreign!r}; give the"
+                    " engine a `partition` that puts it in a bucket of its own."
+                )
+            self.launch(bucket)
 
     def _complete(self, bucket: _Bucket) -> None:
         assert bucket.work is not None
-        with profiling.record(self.scheme.reduce_phase):
+        with profiling.record(bucket.scheme.reduce_phase):
             bucket.work.wait()
         bucket.work = None
-        self.scheme.after_reduce(bucket)
+        bucket.scheme.after_reduce(bucket)
 
     def drain(self) -> None:
         """Start the buckets not started in this pass (in bucket order, the same on every
@@ -451,18 +530,53 @@ class _Reductions:
             self._complete(self.in_flight.popleft())
         for bucket in self.buckets:
             bucket.launched, bucket.grads_arrived = False, 0
+        self.next = 0
 
     def publish(self, bucket: _Bucket) -> None:
-        """Average the reduced owned slice and point the shard parameters' ``.grad`` at it."""
-        reduced = self.scheme.reduced_grads(bucket).div_(self.scheme.world_size)
+        """Sum partial gradients over tp, average the reduced owned slice and point the shard
+        parameters' ``.grad`` at it.
+
+        A bucket reduced over a smaller group (an expert's holders) is divided by the
+        data-parallel degree all the same: each holder's gradient already sums the tokens
+        its expert-parallel peers sent it, so the group's sum covers every replica's batch.
+        """
+        reduced = bucket.scheme.reduced_grads(bucket)
+        _sum_partial_grads(bucket, reduced)
+        reduced.div_(self.divisor)
         lo = bucket.owned[0]
         for entry in bucket.entries:
             if entry.shard is not None:
                 start = entry.shard_offset - lo
                 entry.shard.grad = reduced[start : start + entry.shard.numel()]
-        if self.scheme.frees_grads:
+        if bucket.scheme.frees_grads:
             bucket.grads = None  # ZeRO-2: already freed; parameter server: not the root's
         bucket.stale, bucket.shard_fresh = True, True
+
+
+def _sum_partial_grads(bucket: _Bucket, reduced: Tensor) -> None:
+    """Sum the owned part of each ``Partial`` entry's reduced gradient over its tp groups,
+    one all-reduce per group for the whole bucket.
+
+    The dp reduction has summed the ranks' partial gradients already, and summing over tp
+    commutes with it, so only the owned slice (1/dp of it at ZeRO-1/2) is summed. Every
+    tp peer holds the same buckets and owned range (they share their dp rank), so all of
+    them join the same collectives in bucket order.
+    """
+    lo, hi = bucket.owned
+    pieces: dict[tuple[dist.ProcessGroup, ...], list[Tensor]] = {}
+    for entry in bucket.entries:
+        start, end = max(entry.offset, lo), min(entry.offset + entry.numel, hi)
+        if entry.partial_groups and start < end:
+            pieces.setdefault(entry.partial_groups, []).append(reduced[start - lo : end - lo])
+    for groups, views in pieces.items():
+        flat = views[0] if len(views) == 1 else torch.cat(views)
+        for group in groups:
+            dist.all_reduce(flat, group=group)
+        if len(views) > 1:
+            offset = 0
+            for view in views:
+                view.copy_(flat[offset : offset + view.numel()])
+                offset += view.numel()
 
 
 @dataclass
@@ -472,9 +586,37 @@ class _OptimizerState:
 
     buckets: list[_Bucket]
     scheme: _AllReduce
+    entries: dict[Tensor, _BucketEntry]
     by_shard: dict[Tensor, _BucketEntry]
-    group_names: dict[Optimizer, list[list[str]]]
     process_group: dist.ProcessGroup | None
+    group_names: dict[Optimizer, list[list[str]]] = field(default_factory=dict)
+    """Each attached optimizer's parameter names, group by group."""
+
+    def attach(self, optimizer: Optimizer) -> None:
+        """Re-point ``optimizer``'s groups at the shard parameters (see
+        :meth:`GradientEngine.attach`), resharding any state it already has."""
+        check_shardable(optimizer)
+        names = [
+            [_entry_of(self.entries, param).name for param in group["params"]]
+            for group in optimizer.param_groups
+        ]
+        existing = {
+            "state": {
+                _entry_of(self.entries, param).name: state
+                for param, state in optimizer.state.items()
+            },
+            "param_groups": [
+                {**group, "params": group_names}
+                for group, group_names in zip(optimizer.param_groups, names, strict=True)
+            ],
+        }
+        self.group_names[optimizer] = names
+        for group in optimizer.param_groups:
+            shards = (_entry_of(self.entries, param).shard for param in group["params"])
+            group["params"] = [shard for shard in shards if shard is not None]
+        optimizer.state.clear()
+        if existing["state"]:
+            self.load(optimizer, existing)
 
     def gather(self, optimizer: Optimizer) -> dict[str, Any]:
         """The whole optimizer state keyed by parameter name, on group rank 0 (``{}`` elsewhere).
@@ -483,7 +625,17 @@ class _OptimizerState:
         each name to full, parameter-shaped tensors; ``param_groups[i]["params"]`` lists the
         names in the original order, so a plain unsharded optimizer over the same groups can
         ``load_state_dict`` it directly. Every rank of the group must call this.
+
+        Raises:
+            ValueError: If some buckets reduce over groups of their own (expert
+                parallelism); save those shard by shard (DCP checkpoints) instead.
         """
+        if any(bucket.scheme is not self.scheme for bucket in self.buckets):
+            raise ValueError(
+                "The whole optimizer state cannot be gathered onto one rank when some"
+                " parameters are reduced over groups of their own (expert parallelism);"
+                " save a sharded checkpoint (a DCP directory) instead."
+            )
         meta = self._state_meta(optimizer)
         state = {name: dict(m.scalars) for name, m in meta.items()}
         no_state = _StateMeta()
@@ -494,7 +646,10 @@ class _OptimizerState:
                 for entry in bucket.entries if full is not None else ():
                     if (key, dtype) in meta.get(entry.name, no_state).sharded:
                         piece = full[entry.offset : entry.offset + entry.numel]
-                        state[entry.name][key] = piece.view_as(_local(entry.param)).clone()
+                        # On the host: the whole state would not fit beside rank 0's own
+                        # on its device; one bucket's worth at a time does.
+                        whole = piece.view_as(_local(entry.param))
+                        state[entry.name][key] = whole.to("cpu", copy=True)
         if self.scheme.rank != 0:
             return {}
         groups = [
@@ -605,7 +760,8 @@ class GradientEngine:
     values, and hooks each parameter: when its gradient is accumulated, the hook adds it
     to the bucket's flat gradient buffer and frees ``param.grad`` (one copy, as Megatron's
     ``main_grad``); when a bucket's last gradient arrives, the bucket's collective is
-    launched asynchronously, overlapping the rest of backward. At the end of backward the
+    launched asynchronously, overlapping the rest of backward (in bucket order: a bucket
+    waits for the earlier ones, see the module documentation). At the end of backward the
     engine waits for all collectives, averages, and points the shard parameters' ``.grad``
     at the reduced gradients (model parameters' ``.grad`` stay ``None``). :meth:`attach`
     hands an optimizer the shard parameters; after its ``step()`` the updated shards are
@@ -623,6 +779,12 @@ class GradientEngine:
             the bucket is complete; if ``False``, all are launched after backward.
         compiled: The blocks are ``torch.compile``d: DTensor local shards get storages of
             their own over their bucket memory (no copy; see :func:`_rebind`).
+        reduce_groups: Parameter name -> the group its gradient is summed over instead of
+            ``process_group`` (a subgroup of it), still averaged by ``process_group``'s
+            size: expert weights under expert parallelism (see :meth:`_Reductions.publish`).
+        partition: Parameter name -> a key; a bucket holds parameters of one key only (a
+            pipeline rank's model chunks, so that :meth:`launch` can start one chunk's
+            buckets while another's backward still runs). Unnamed parameters share a key.
     """
 
     def __init__(
@@ -633,6 +795,8 @@ class GradientEngine:
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
         compiled: bool = False,
+        reduce_groups: Mapping[str, dist.ProcessGroup] | None = None,
+        partition: Mapping[str, Hashable] | None = None,
     ) -> None:
         validate_engine_args(stage, bucket_size_mb)
         named = [(name, param) for name, param in named_params if param.requires_grad]
@@ -642,27 +806,24 @@ class GradientEngine:
         self.process_group = process_group
         self.overlap_comm = overlap_comm
         self._scheme = _SCHEMES[stage](process_group)
-        params = [param for _, param in named]
-        self._buckets = [
-            _pack_bucket([named[i] for i in indices], self._scheme, compiled)
-            for indices in assign_buckets(params, bucket_size_mb)
-        ]
+        self._buckets = _build_buckets(
+            named, self._scheme, reduce_groups or {}, partition or {}, bucket_size_mb, compiled
+        )
         self._entries = {entry.param: entry for bucket in self._buckets for entry in bucket.entries}
         self._by_shard = {
             entry.shard: entry for entry in self._entries.values() if entry.shard is not None
         }
         self._hooks: list[RemovableHandle] = [
-            param.register_post_accumulate_grad_hook(self._on_grad_ready) for param in params
+            param.register_post_accumulate_grad_hook(self._on_grad_ready) for _, param in named
         ]
-        self._group_names: dict[Optimizer, list[list[str]]] = {}
         self._state = _OptimizerState(
-            self._buckets, self._scheme, self._by_shard, self._group_names, process_group
+            self._buckets, self._scheme, self._entries, self._by_shard, process_group
         )
         self._sync_grads = True
         self._deferred = False
         self._finish_queued = False
-        self._reductions = _Reductions(self._buckets, self._scheme)
-        _broadcast_params(self._buckets, self._scheme)
+        self._reductions = _Reductions(self._buckets, self._scheme.world_size)
+        _broadcast_params(self._buckets)
 
     @property
     def world_size(self) -> int:
@@ -690,15 +851,15 @@ class GradientEngine:
         entry = self._entries[param]
         bucket = entry.bucket
         assert param.grad is not None
-        grad = _local_grad(param)
+        grad, entry.partial_groups = _local_grad(param)
         bucket.grad_buffer()[entry.offset : entry.offset + entry.numel].add_(grad.reshape(-1))
         param.grad = None
-        if self._deferred or not (self._sync_grads or self._scheme.reduces_each_pass):
+        if self._deferred or not (self._sync_grads or bucket.scheme.reduces_each_pass):
             return
         self._queue_end_of_backward()
         bucket.grads_arrived += 1
-        if self.overlap_comm and bucket.grads_arrived == len(bucket.entries):
-            self._reductions.launch(bucket)
+        if self.overlap_comm and bucket.complete:
+            self._reductions.launch_ready()
 
     def _queue_end_of_backward(self) -> None:
         # Autograd runs queued callbacks once the whole backward pass is done (torch DDP
@@ -717,8 +878,9 @@ class GradientEngine:
     def finish_grad_sync(self) -> None:
         """Reduce what is still pending, wait, average and expose the owned gradients.
 
-        Runs automatically at the end of a synchronizing backward pass. Buckets with a
-        parameter that got no gradient are launched here (their gradient counts as zero).
+        Runs automatically at the end of a synchronizing backward pass. Buckets not launched
+        yet (one with a parameter that got no gradient, whose gradient counts as zero, and
+        every bucket after it) are launched here, in bucket order.
         """
         self._finish_queued = False
         self._reductions.drain()
@@ -726,15 +888,30 @@ class GradientEngine:
             self._reductions.publish(bucket)
 
     def accumulated_grad(self, param: Tensor) -> Tensor:
-        """The local, not yet reduced gradient of ``param`` (a view into its bucket).
-
-        Valid between backward passes run under :meth:`defer_reduction` and
+        """The local, not yet reduced gradient of ``param`` (a view into its bucket), valid
+        between backward passes run under :meth:`defer_reduction` and
         :meth:`finish_grad_sync`; a collective on it (e.g. summing a tied weight's gradient
-        across pipeline stages) is folded into the coming reduction.
-        """
-        entry = self._entry(param)
+        across pipeline stages) is folded into the coming reduction."""
+        entry = _entry_of(self._entries, param)
         flat = entry.bucket.grad_buffer()[entry.offset : entry.offset + entry.numel]
         return flat.view_as(_local(param))
+
+    def launch(self, params: Iterable[Tensor]) -> None:
+        """Start reducing the buckets that hold ``params`` now, in bucket order, instead of
+        at :meth:`finish_grad_sync` (which still waits for them). A no-op under
+        :meth:`no_sync` and without ``overlap_comm``.
+
+        For callers that accumulate under :meth:`defer_reduction` and know when some
+        gradients are final before the others (a pipeline chunk whose last backward of
+        the step has run). Every rank of the group must launch the same buckets in the
+        same order, as for any collective.
+
+        Raises:
+            ValueError: If a bucket of ``params`` also holds other parameters (build the
+                engine with a ``partition`` that separates them).
+        """
+        if self._sync_grads and self.overlap_comm:
+            self._reductions.launch_holding({id(param) for param in params})
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -774,36 +951,8 @@ class GradientEngine:
             TypeError: If the optimizer is not elementwise (see :func:`check_shardable`).
             ValueError: If it steps a parameter the engine does not manage.
         """
-        check_shardable(optimizer)
-        names = [
-            [self._entry(param).name for param in group["params"]]
-            for group in optimizer.param_groups
-        ]
-        existing = {
-            "state": {self._entry(param).name: state for param, state in optimizer.state.items()},
-            "param_groups": [
-                {**group, "params": group_names}
-                for group, group_names in zip(optimizer.param_groups, names, strict=True)
-            ],
-        }
-        self._group_names[optimizer] = names
-        for group in optimizer.param_groups:
-            shards = (self._entry(param).shard for param in group["params"])
-            group["params"] = [shard for shard in shards if shard is not None]
-        optimizer.state.clear()
+        self._state.attach(optimizer)
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self.sync_params()))
-        if existing["state"]:
-            self.load_optimizer_state_dict(optimizer, existing)
-
-    def _entry(self, param: Tensor) -> _BucketEntry:
-        entry = self._entries.get(param)
-        if entry is None:
-            raise ValueError(
-                f"The optimizer steps a parameter of shape {tuple(param.shape)} that the gradient"
-                " engine does not manage; build the optimizer from the module's trainable"
-                " parameters."
-            )
-        return entry
 
     def parameter_of(self, shard: Tensor) -> Tensor:
         """The model parameter that ``shard`` (a parameter the optimizer steps) is a slice of."""
@@ -811,16 +960,20 @@ class GradientEngine:
 
     def sync_params(self) -> None:
         """Bring every rank's model up to date after the owners stepped their shards."""
-        works = [self._scheme.sync_params(bucket) for bucket in self._buckets]
+        works = [bucket.scheme.sync_params(bucket) for bucket in self._buckets]
         for work in filter(None, works):  # stage 0 has nothing to sync
             with profiling.record(self._scheme.sync_phase):
                 work.wait()
 
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
         """How the gradients of ``parameters`` (the optimizer's shards) lie across the group:
-        replicated on every rank at stage 0, disjoint shards otherwise."""
-        replicas = self.world_size if self._scheme.replicated else 1
-        pieces = [GradientPiece(p.grad, replicas) for p in parameters if p.grad is not None]
+        replicated on every rank of their bucket's group at stage 0, disjoint shards
+        otherwise."""
+        pieces = [
+            GradientPiece(p.grad, _replicas(self._by_shard[p].bucket.scheme))
+            for p in parameters
+            if p.grad is not None
+        ]
         group = self.process_group or dist.group.WORLD
         return GradientLayout(group=group, pieces=pieces, device=self._buckets[0].params.device)
 
@@ -848,7 +1001,7 @@ class GradientEngine:
 
     def parameter_names(self, optimizer: Optimizer) -> list[str]:
         """Names of the parameters ``optimizer`` steps, group by group (after :meth:`attach`)."""
-        return [name for group in self._group_names[optimizer] for name in group]
+        return [name for group in self._state.group_names[optimizer] for name in group]
 
     # ---- accounting and teardown ---------------------------------------------------------
 
@@ -866,6 +1019,44 @@ class GradientEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _build_buckets(
+    named: list[tuple[str, Tensor]],
+    scheme: _AllReduce,
+    reduce_groups: Mapping[str, dist.ProcessGroup],
+    partition: Mapping[str, Hashable],
+    bucket_size_mb: float,
+    compiled: bool,
+) -> list[_Bucket]:
+    """Pack the parameters into buckets of one reduction group and one ``partition`` key
+    each: ``reduce_groups[name]`` where given (one scheme of ``scheme``'s stage per group),
+    else ``scheme``'s group."""
+    schemes = {group: type(scheme)(group) for group in set(reduce_groups.values())}
+    of = [schemes[reduce_groups[name]] if name in reduce_groups else scheme for name, _ in named]
+    params = [param for _, param in named]
+    kinds = [(id(s), partition.get(name)) for s, (name, _) in zip(of, named, strict=True)]
+    return [
+        _pack_bucket([named[i] for i in indices], of[indices[0]], compiled)
+        for indices in assign_buckets(params, bucket_size_mb, kinds)
+    ]
+
+
+def _entry_of(entries: dict[Tensor, _BucketEntry], param: Tensor) -> _BucketEntry:
+    """``param``'s bucket entry; a parameter the engine does not manage is an error."""
+    entry = entries.get(param)
+    if entry is None:
+        raise ValueError(
+            f"The optimizer steps a parameter of shape {tuple(param.shape)} that the gradient"
+            " engine does not manage; build the optimizer from the module's trainable"
+            " parameters."
+        )
+    return entry
+
+
+def _replicas(scheme: _AllReduce) -> int:
+    """Ranks holding the same reduced gradient slice: the group at stage 0, else one."""
+    return scheme.world_size if scheme.replicated else 1
 
 
 def _rebind(param: Tensor, view: Tensor, own_storage: bool) -> None:
@@ -893,17 +1084,30 @@ def _local(param: Tensor) -> Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
-def _local_grad(param: Tensor) -> Tensor:
-    """``param.grad`` as a local tensor laid out like the parameter's local shard.
+def _local_grad(param: Tensor) -> tuple[Tensor, tuple[dist.ProcessGroup, ...]]:
+    """``param.grad`` as a local tensor laid out like the parameter's local shard, and the
+    groups it is still to be summed over.
 
-    A replicated DTensor parameter used on sequence shards (sequence-parallel norm
-    weights) gets a ``Partial`` gradient; redistributing sums it over the tp group, which
-    is Megatron-LM's all-reduce of sequence-parallel layernorm gradients.
+    A replicated DTensor parameter used on sequence shards (sequence-parallel norm weights,
+    a mixture of experts on local tokens) gets a gradient ``Partial`` over tp: its local
+    part is returned with the tp groups, and summed over them once per step when the
+    bucket is published (Megatron-LM's all-reduce of sequence-parallel layernorm
+    gradients, done once rather than per micro-batch). Any other layout mismatch is
+    redistributed here.
     """
     grad = param.grad
     if not isinstance(grad, DTensor):
-        return grad
-    return grad.redistribute(param.device_mesh, param.placements).to_local()
+        return grad, ()
+    assert isinstance(param, DTensor)
+    partial = [i for i, p in enumerate(grad.placements) if p.is_partial()]
+    summed_later = all(
+        (g.is_partial("sum") and p.is_replicate()) or g == p
+        for g, p in zip(grad.placements, param.placements, strict=True)
+    )
+    if partial and summed_later:
+        mesh = grad.device_mesh
+        return grad.to_local(), tuple(mesh.get_group(i) for i in partial)
+    return grad.redistribute(param.device_mesh, param.placements).to_local(), ()
 
 
 def _check_groups(saved_groups: list[dict[str, Any]], optimizer: Optimizer) -> None:

@@ -1,8 +1,10 @@
-"""HybridParallelStrategy: the Lightning face of pipeline x tensor (+ sequence) x data parallelism.
+"""HybridParallelStrategy: the Lightning face of pipeline x tensor (+ sequence) x data (x expert)
+parallelism.
 
 The jobs live beside it, one module each: :mod:`~plugintrain.strategies.mesh` (the degrees
-and the DeviceMesh), :mod:`~plugintrain.strategies.parallelize` (TP/SP, FSDP2 and the
-gradient engine applied to the model in torchtitan's order),
+and the DeviceMesh), :mod:`~plugintrain.strategies.parallelize` (TP/SP, expert
+parallelism (:mod:`~plugintrain.strategies.expert_parallel`), FSDP2 and the gradient
+engine applied to the model in torchtitan's order),
 :mod:`~plugintrain.strategies.pipeline_runtime` (the steps when pp > 1),
 :mod:`~plugintrain.strategies.engine_binding` (the engine's Lightning hooks),
 :mod:`~plugintrain.strategies.checkpoint` (optimizer state in DCP directories) and
@@ -15,15 +17,25 @@ With ``pipeline_parallel > 1`` the module's ``model`` (a
 virtual_pipeline_parallel`` stages and the strategy hands its steps to a
 :class:`~plugintrain.strategies.pipeline_runtime.PipelineRuntime`: each batch is cut
 into ``microbatches``, the ``schedule`` runs inside the precision plugin's autocast
-(FP16 loss scaling on the last stage), gradients are reduced over dp once it is done,
-and every rank logs the loss broadcast from the last stage through the module's
+(FP16 loss scaling on the last stage; activations on the wire in the compute dtype by
+default), each chunk's gradients start their dp reduction as soon as its last backward
+has run, and every rank logs the loss broadcast from the last stage through the module's
 ``record_loss(stage, loss, batch)``. Validation runs a forward-only schedule.
+
+With ``zero_stage=3`` under mixed precision, FSDP2 all-gathers the parameters in the
+compute dtype and reduce-scatters gradients in fp32 (``MixedPrecisionPolicy``), and the
+precision plugin's autocast is turned off: the fp32 shards are the master weights.
+
+With ``expert_parallel > 1`` the routed experts of the model's mixture-of-experts layers
+are split over ep ranks borrowed from dp (each dp rank still reads its own batches); the
+layers exchange tokens with all-to-alls, and each expert's gradient is reduced over the
+ranks that hold it. Pipeline stages add their MoE balance losses in the executor.
 
 Checkpoints are DCP directories at the checkpoint path, keyed by full-model parameter
 names and written shard by shard from every rank, nothing gathered
-(:mod:`~plugintrain.strategies.checkpoint`): weights and ZeRO 0-2 optimizer state reload
-under any pp, vpp, tp and dp and in one process; stage 3 reshards through torch's
-``get_optimizer_state_dict``.
+(:mod:`~plugintrain.strategies.checkpoint`): weights, buffers (MoE routing biases) and
+ZeRO 0-2 optimizer state reload under any pp, vpp, tp, ep and dp and in one process;
+stage 3 reshards through torch's ``get_optimizer_state_dict``.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -45,13 +58,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugintrain.distributed import CallsModelBuiltHooks, GradientLayout
+from plugintrain.distributed import AutocastSwitch, CallsModelBuiltHooks, GradientLayout
+from plugintrain.precision_plugins import PrecisionDtypes, precision_dtypes
 from plugintrain.resume import init_restarted_process_group
 from plugintrain.strategies.balance import balance_stages
 from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.checkpoint import load_dtensor_states
 from plugintrain.strategies.engine_binding import EngineBinding
-from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
 from plugintrain.strategies.parallelize import (
     build_engine,
     builds_on_meta,
@@ -59,17 +73,18 @@ from plugintrain.strategies.parallelize import (
     hybrid_gradient_layout,
     prepare_model,
 )
-from plugintrain.strategies.pipeline import AUTO, PipelineOptions
-from plugintrain.strategies.pipeline_runtime import PipelineRuntime
+from plugintrain.strategies.pipeline import AUTO, PipelineOptions, VirtualStage
+from plugintrain.strategies.pipeline_runtime import PipelineRuntime, chunk_partition
 from plugintrain.strategies.tensor_parallel import retie, shared_parameters
 from plugintrain.strategies.tied import TiedParameters
 
 
 class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
-    """Pipeline x tensor (+ sequence) x data parallelism with ZeRO on the data-parallel ranks.
+    """Pipeline x tensor (+ sequence) x data (x expert) parallelism with ZeRO on the
+    data-parallel ranks.
 
     Registered as ``hybrid``. The LightningModule builds a single-device model in
-    ``configure_model``; with tp > 1 or pp > 1 it implements
+    ``configure_model``; with tp > 1, pp > 1 or ep > 1 it implements
     :class:`plugintrain.distributed.ParallelModule` (as :class:`~plugintrain.model_zoo.
     CausalLM` does): its ``tp_plan()`` is applied, its ``loss_fn(logits, targets)`` wrapped
     into a vocabulary-parallel cross-entropy. Each dp rank reads its own batches;
@@ -91,12 +106,18 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
             vpp counts summing to the model's layers); default: equal. Give the last
             stage, which also runs the head and the loss, fewer; or ``auto``: measured and
             chosen at setup (:mod:`~plugintrain.strategies.balance`).
-        expert_parallel: Expert-parallel degree; only 1 yet.
+        expert_parallel: Ranks that split the routed experts of each mixture-of-experts
+            layer, borrowed from the data-parallel ranks (must divide dp and the expert
+            count); not with ``zero_stage=3``.
         zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
-            3 also parameters (torch FSDP2; not with pp > 1).
+            3 also parameters (torch FSDP2, which under mixed precision gathers them in the
+            compute dtype instead of autocasting; not with pp > 1).
         bucket_size_mb: Gradient bucket size for ZeRO stage 0/1/2.
-        overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2, no pp).
-        wire_dtype: Dtype of the activations and gradients sent between pipeline stages.
+        overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2; with
+            pp, a chunk's once its last backward of the step has run).
+        wire_dtype: Dtype of the activations and gradients sent between pipeline stages;
+            default: the training compute dtype (bf16 under ``bf16-mixed``/``bf16-true``,
+            fp16 under ``16-mixed``, fp32 under ``32-true``).
         activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
             transformer block (:class:`~plugintrain.strategies.BlockOptions`).
         every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
@@ -121,7 +142,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         zero_stage: int = 0,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
-        wire_dtype: torch.dtype | str = torch.float32,
+        wire_dtype: torch.dtype | str | None = None,
         activation_checkpointing: str = "none",
         every_n_layers: int = 1,
         compile: bool = False,
@@ -178,7 +199,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.device_mesh["dp"]
+        dp_mesh = data_parallel_mesh(self.device_mesh)
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     @contextmanager
@@ -208,12 +229,13 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         dims, mesh = self.dims, self.device_mesh
         fitting = trainer.state.fn == TrainerFn.FITTING
         options = self.pipeline_options = _with_split(self, trainer)
+        dtypes = _cast_by_fsdp(self.precision_plugin, fitting and dims.fsdp_enabled)
         stages = prepare_model(
-            module, dims, options, mesh, self.root_device, fitting, self.block_options
+            module, dims, options, mesh, self.root_device, fitting, self.block_options, dtypes
         )
         super().setup(trainer)  # moves the model, builds the optimizers
         if fitting:
-            self._setup_engine(module)
+            _setup_engine(self, module, stages)
         if stages is not None:
             self._pipeline = PipelineRuntime(
                 module,
@@ -233,17 +255,6 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         shared = shared_parameters(self.model)
         super().model_to_device()
         retie(shared)
-
-    def _setup_engine(self, module: pl.LightningModule) -> None:
-        dims = self.dims
-        mesh, compiled = self.device_mesh, self.block_options.compile
-        engine = build_engine(module, dims, mesh, self.bucket_size_mb, self.overlap_comm, compiled)
-        if engine is None:
-            return  # FSDP2 (ZeRO-3) reduces, and its DTensor gradients know their layout
-        self._binding.check_clipping(module.trainer, self.precision_plugin)
-        tied = TiedParameters.of(module)
-        self._binding.install(engine, tied)
-        self._binding.attach(self.optimizers)
 
     @override
     def backward(
@@ -343,11 +354,6 @@ def _requested_layout(
     zero_stage: int,
 ) -> ParallelDims:
     """The degrees, validated without a world size, and refused where not supported yet."""
-    if expert_parallel != 1:
-        raise ValueError(
-            f"expert_parallel={expert_parallel} is not supported by HybridParallelStrategy"
-            " yet; set it to 1."
-        )
     if pipeline_parallel > 1 and zero_stage == 3:
         raise ValueError(
             "zero_stage=3 (FSDP2) cannot be combined with pipeline_parallel="
@@ -360,8 +366,38 @@ def _requested_layout(
         sequence_parallel=sequence_parallel,
         pipeline_parallel=pipeline_parallel,
         virtual_pipeline_parallel=virtual_pipeline_parallel,
+        expert_parallel=expert_parallel,
         zero_stage=zero_stage,
     )
+
+
+def _setup_engine(
+    strategy: HybridParallelStrategy,
+    module: pl.LightningModule,
+    stages: list[VirtualStage] | None,
+) -> None:
+    """Build the gradient engine (ZeRO 0-2) and attach the optimizers to it."""
+    tied = TiedParameters.of(module)
+    # Under a pipeline, each chunk's buckets are its own, to reduce it once it is done.
+    partition = chunk_partition(module, stages, tied) if stages is not None else None
+    engine = build_engine(
+        module, strategy.dims, strategy.device_mesh, strategy.bucket_size_mb,
+        strategy.overlap_comm, strategy.block_options.compile, partition,
+    )  # fmt: skip
+    if engine is None:
+        return  # FSDP2 (ZeRO-3) reduces, and its DTensor gradients know their layout
+    strategy._binding.check_clipping(module.trainer, strategy.precision_plugin)
+    strategy._binding.install(engine, tied)
+    strategy._binding.attach(strategy.optimizers)
+
+
+def _cast_by_fsdp(plugin: Precision, fsdp: bool) -> PrecisionDtypes | None:
+    """The training dtypes when FSDP2 casts the weights (its ``MixedPrecisionPolicy``), with
+    the plugin's autocast turned off then and on otherwise; None without FSDP2."""
+    dtypes = precision_dtypes(plugin)
+    if isinstance(plugin, AutocastSwitch):
+        plugin.autocast = not (fsdp and dtypes.mixed)
+    return dtypes if fsdp else None
 
 
 def _pipeline_backward(strategy: HybridParallelStrategy, closure_loss: Tensor) -> Tensor:

@@ -9,6 +9,13 @@ dimensions hand out sub-meshes and process groups.
 A strategy validates its degrees once, at construction, without a world size (what can
 be checked then is), and fills the world size in with :meth:`ParallelDims.with_world_size`
 when it is known (before launching, then after the process group starts).
+
+Expert parallelism borrows its ranks from data parallelism, as in torchtitan: with
+``expert_parallel > 1`` the mesh is ``("pp", "edp", "ep", "tp")``, ``dp = edp x ep``, and
+``("edp", "ep")`` is flattened into ``"dp"`` (:func:`data_parallel_mesh`), so everything
+that reduces or samples over dp is unchanged. An ``ep`` group holds the experts of a MoE
+layer between them; an ``edp`` group is the ranks holding the same experts, over which
+their gradients are reduced.
 """
 
 from __future__ import annotations
@@ -20,12 +27,16 @@ from typing import TYPE_CHECKING, Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plugintrain.distributed import ExpertShape, ModelShape
+
 if TYPE_CHECKING:
     from plugintrain.model_zoo import TransformerConfig
 
 # Outermost first: pipeline stages talk least, tensor-parallel ranks most, so tp is the
 # innermost (fastest-varying, same-node) dimension, as in Megatron-LM and torchtitan.
 MESH_DIMS = ("pp", "dp", "tp")
+EXPERT_MESH_DIMS = ("pp", "edp", "ep", "tp")
+"""With expert parallelism: dp split into the expert-data-parallel and expert-parallel ranks."""
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -108,10 +119,13 @@ class ParallelDims:
             )
 
     def _check_experts(self) -> None:
-        if self.data_parallel % self.expert_parallel:
+        dp = self.data_parallel
+        if dp % self.expert_parallel:
+            fits = [d for d in range(1, dp + 1) if dp % d == 0]
             raise ValueError(
-                f"expert_parallel={self.expert_parallel} must divide data_parallel="
-                f"{self.data_parallel}: expert ranks are borrowed from the data-parallel ranks."
+                f"expert_parallel={self.expert_parallel} must divide data_parallel={dp}:"
+                f" expert ranks are borrowed from the data-parallel ranks; pick"
+                f" expert_parallel among {fits}, or more data-parallel ranks."
             )
 
     def _check_options(self) -> None:
@@ -127,6 +141,12 @@ class ParallelDims:
             )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}.")
+        if self.zero_stage == 3 and self.expert_parallel > 1:
+            raise ValueError(
+                f"zero_stage=3 (FSDP2) cannot be combined with expert_parallel="
+                f"{self.expert_parallel} yet; use zero_stage 0, 1 or 2 (ZeRO-1/2 shard the"
+                " experts' optimizer state and gradients over the ranks holding each expert)."
+            )
 
     @property
     def dp(self) -> int:
@@ -150,8 +170,14 @@ class ParallelDims:
         """Whether parameters are sharded over the data-parallel ranks (ZeRO-3 via FSDP2)."""
         return self.zero_stage == 3
 
+    @property
+    def ep_enabled(self) -> bool:
+        """Whether the routed experts of MoE layers are split over more than one rank."""
+        return self.expert_parallel > 1
+
     def validate_model(self, config: TransformerConfig, seq_len: int | None = None) -> None:
-        """Raise if ``config`` (and ``seq_len`` with SP) cannot be split ``tensor_parallel`` ways.
+        """Raise if ``config`` (and ``seq_len`` with SP) cannot be split ``tensor_parallel``
+        ways, or its experts ``expert_parallel`` ways (:meth:`validate_experts`).
 
         Args:
             config: The model architecture.
@@ -172,9 +198,35 @@ class ParallelDims:
                 f"{config.name}: {bad} not divisible by tensor_parallel={tp}; pick a"
                 " tensor_parallel that divides them (or pad the vocabulary)."
             )
+        self.validate_experts(config)
+
+    def validate_experts(self, config: ModelShape) -> None:
+        """Raise if expert parallelism cannot split ``config``'s experts: ep > 1 on a model
+        without mixture-of-experts layers, or a routed expert count ep does not divide."""
+        ep, name = self.expert_parallel, config.name
+        moe = config.moe if isinstance(config, ExpertShape) else None
+        sparse = moe is not None and any(moe.is_moe_layer(i) for i in range(config.n_layer))
+        if ep > 1 and not sparse:
+            raise ValueError(
+                f"{name}: expert_parallel={ep} splits the experts of mixture-of-experts"
+                " layers, and this model has none; use expert_parallel=1."
+            )
+        if not sparse:
+            return
+        experts = moe.n_routed_experts
+        if experts % ep:
+            dp = self.data_parallel if isinstance(self.data_parallel, int) else experts
+            fits = [d for d in range(1, experts + 1) if experts % d == 0 and dp % d == 0]
+            raise ValueError(
+                f"{name}: n_routed_experts={experts} not divisible by expert_parallel={ep}"
+                f" (each expert-parallel rank holds an equal share); pick expert_parallel"
+                f" among {fits}."
+            )
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
-        """The world's DeviceMesh with named dims ``("pp", "dp", "tp")`` (pp only when > 1).
+        """The world's DeviceMesh with named dims ``("pp", "dp", "tp")`` (pp only when > 1),
+        or ``("pp", "edp", "ep", "tp")`` with ``("edp", "ep")`` flattened into ``"dp"``
+        when ``expert_parallel > 1``.
 
         Needs an initialized default process group of ``world_size`` ranks.
         """
@@ -183,6 +235,22 @@ class ParallelDims:
                 f"ParallelDims(world_size={self.world_size}) but the process group has"
                 f" {dist.get_world_size()} ranks."
             )
+        ep = self.expert_parallel
         sizes = {"pp": self.pipeline_parallel, "dp": self.dp, "tp": self.tensor_parallel}
-        names = tuple(name for name in MESH_DIMS if name != "pp" or sizes["pp"] > 1)
-        return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        sizes |= {"edp": self.dp // ep, "ep": ep}
+        dims = EXPERT_MESH_DIMS if self.ep_enabled else MESH_DIMS
+        names = tuple(name for name in dims if name != "pp" or sizes["pp"] > 1)
+        mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+        data_parallel_mesh(mesh)
+        return mesh
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh``'s data-parallel dimension: ``mesh["dp"]``, or with expert parallelism the
+    ``("edp", "ep")`` dims flattened into one (torch keeps it: a later call returns the same
+    mesh and group). Use it rather than ``mesh["dp"]``, which torch 2.13 still resolves for
+    a flattened dim but warns about."""
+    names = mesh.mesh_dim_names or ()
+    if "dp" in names:
+        return mesh["dp"]
+    return mesh["edp", "ep"]._flatten("dp")

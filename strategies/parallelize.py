@@ -1,30 +1,32 @@
 """Apply parallelism to a model from outside, in torchtitan's order.
 
 torchtitan's ``models/llama3/infra/parallelize.py`` applies, in a fixed order: tensor
-(+ sequence) parallelism by the model's declarative plan, then activation recomputation
-and compile, then data parallelism. These free functions do the same for any module: the
-tensor-parallel plan on ``mesh["tp"]`` (:mod:`plugintrain.strategies.tensor_parallel`),
-recomputation and compile of each transformer block (:mod:`plugintrain.strategies.blocks`),
-then torch FSDP2 ``fully_shard`` for ZeRO
-stage 3, or our :class:`~plugintrain.strategies.GradientEngine` on ``mesh["dp"]`` for stage
-0/1/2 (bucketed all-reduce or reduce-scatter of the DTensors' local shards). The
-functions beside them describe the result: how many tp ranks hold each piece
-(:func:`tp_replicas`) and the gradient layout over the whole world
-(:func:`hybrid_gradient_layout`) that precision plugins clip and check found-inf by.
+(+ sequence) parallelism by the model's declarative plan, then expert parallelism, then
+activation recomputation and compile, then data parallelism. These free functions do the
+same for any module: the tensor-parallel plan on ``mesh["tp"]``
+(:mod:`plugintrain.strategies.tensor_parallel`), the experts of mixture-of-experts layers
+over ``mesh["ep"]`` (:mod:`plugintrain.strategies.expert_parallel`), recomputation and
+compile of each transformer block (:mod:`plugintrain.strategies.blocks`), then torch
+FSDP2 ``fully_shard`` for ZeRO stage 3, or our :class:`~plugintrain.strategies.GradientEngine`
+on the dp group for stage 0/1/2 (bucketed all-reduce or reduce-scatter of the DTensors'
+local shards; expert weights over their ``edp`` group). The functions beside them
+describe the result: how many tp ranks hold each piece (:func:`tp_replicas`) and the
+gradient layout over the whole world (:func:`hybrid_gradient_layout`) that precision
+plugins clip and check found-inf by.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from plugintrain.distributed import (
@@ -34,9 +36,11 @@ from plugintrain.distributed import (
     check_contract,
     default_gradient_layout,
 )
+from plugintrain.precision_plugins import PrecisionDtypes
 from plugintrain.strategies.blocks import BlockOptions, transformer_blocks
+from plugintrain.strategies.expert_parallel import expert_reduce_groups, parallelize_experts
 from plugintrain.strategies.grad_engine import GradientEngine
-from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
 from plugintrain.strategies.pipeline import PipelineOptions, VirtualStage
 from plugintrain.strategies.pipeline_runtime import check_pipeline, split_stages
 from plugintrain.strategies.tensor_parallel import (
@@ -55,6 +59,7 @@ def parallelize(
     bucket_size_mb: float = 25.0,
     overlap_comm: bool = True,
     blocks: BlockOptions | None = None,
+    dtypes: PrecisionDtypes | None = None,
 ) -> GradientEngine | None:
     """Apply TP(+SP), recomputation and compile, then data parallelism, to ``module`` in place.
 
@@ -67,6 +72,7 @@ def parallelize(
         bucket_size_mb: Gradient bucket size of the engine (ZeRO stage 0/1/2).
         overlap_comm: Reduce buckets during backward (ZeRO stage 0/1/2).
         blocks: Recomputation and compile of the transformer blocks; None: neither.
+        dtypes: The training dtypes, for FSDP2's mixed precision (see :func:`shard_model`).
 
     Returns:
         The gradient engine for ZeRO stage 0/1/2 (attach the optimizer to it); None for
@@ -75,7 +81,7 @@ def parallelize(
     if blocks is not None:
         blocks.check(module, built=True)
         blocks.check_tensor_parallel(dims.tensor_parallel, dims.sequence_parallel)
-    shard_model(module, plan, dims, mesh, blocks=blocks)
+    shard_model(module, plan, dims, mesh, blocks=blocks, dtypes=dtypes)
     compiled = blocks is not None and blocks.compile
     return build_engine(module, dims, mesh, bucket_size_mb, overlap_comm, compiled)
 
@@ -87,9 +93,10 @@ def shard_model(
     mesh: DeviceMesh,
     fully_shard_dp: bool = True,
     blocks: BlockOptions | None = None,
+    dtypes: PrecisionDtypes | None = None,
 ) -> None:
-    """The module-rewriting part of :func:`parallelize`: TP(+SP), recomputation and
-    compile, then FSDP2 for stage 3.
+    """The module-rewriting part of :func:`parallelize`: TP(+SP), expert parallelism,
+    recomputation and compile, then FSDP2 for stage 3.
 
     Args:
         module: As in :func:`parallelize`; with pipeline parallelism, this rank's split
@@ -99,6 +106,9 @@ def shard_model(
         mesh: The mesh built by :meth:`ParallelDims.build_mesh`.
         fully_shard_dp: Apply FSDP2 when ``zero_stage == 3`` (False for evaluation).
         blocks: Recomputation and compile of the transformer blocks; None: neither.
+        dtypes: The training dtypes. Under mixed precision FSDP2 gathers parameters in
+            the compute dtype and reduce-scatters gradients in fp32
+            (:func:`fsdp_mixed_precision`), so the forward needs no autocast; None: fp32.
     """
     if dims.tp_enabled:
         if not plan:
@@ -113,10 +123,11 @@ def shard_model(
             dims.sequence_parallel,
             allow_missing=dims.pipeline_parallel > 1,
         )
+    parallelize_experts(module, dims, mesh)
     if blocks is not None:
         blocks.apply(module)
     if dims.fsdp_enabled and fully_shard_dp:
-        _fully_shard(module, mesh["dp"])
+        _fully_shard(module, data_parallel_mesh(mesh), fsdp_mixed_precision(dtypes))
 
 
 def prepare_model(
@@ -127,11 +138,13 @@ def prepare_model(
     device: torch.device,
     fitting: bool,
     blocks: BlockOptions | None = None,
+    dtypes: PrecisionDtypes | None = None,
 ) -> list[VirtualStage] | None:
     """Lay ``module`` out for this rank before Lightning moves it and builds optimizers.
 
     torchtitan's order: split the pipeline stages (keeping this rank's), apply TP(+SP),
-    recomputation and compile (``blocks``), then FSDP2 for ZeRO-3 when fitting; then
+    recomputation and compile (``blocks``), then FSDP2 for ZeRO-3 when fitting (in the
+    precision's ``dtypes``, see :func:`shard_model`); then
     allocate and initialize what this rank kept if the module was built on the meta device
     (:func:`materialize`), and make the loss vocabulary-parallel under tp. The gradient
     engine comes later (:func:`build_engine`).
@@ -142,7 +155,7 @@ def prepare_model(
     pipelined = dims.pipeline_parallel > 1
     stages = split_stages(module, dims, options, mesh) if pipelined else None
     plan = module.tp_plan() if dims.tp_enabled else None
-    shard_model(module, plan, dims, mesh, fully_shard_dp=fitting, blocks=blocks)
+    shard_model(module, plan, dims, mesh, fully_shard_dp=fitting, blocks=blocks, dtypes=dtypes)
     materialize(module, device)
     if dims.tp_enabled:
         module.loss_fn = vocab_parallel_loss(module.loss_fn)
@@ -197,12 +210,16 @@ def check_model_fits(
     :class:`~plugintrain.distributed.ParallelModule`; heads, kv-heads, MLP width and
     vocabulary must divide by tp, and the sequence length too with sequence parallelism;
     with pp > 1 the layers must split into pp x vpp stages and the batch into
-    ``microbatches``. Data parallelism alone takes any module.
+    ``microbatches``; with ep > 1 the model must have mixture-of-experts layers whose
+    routed experts ep divides (:meth:`~plugintrain.strategies.mesh.ParallelDims.
+    validate_experts`). Data parallelism alone takes any module.
     """
-    pp = dims.pipeline_parallel
-    if not (dims.tp_enabled or pp > 1):
+    pp, ep = dims.pipeline_parallel, dims.expert_parallel
+    if not (dims.tp_enabled or pp > 1 or dims.ep_enabled):
         return
-    needed_by = f"{strategy_name}(tensor_parallel={dims.tensor_parallel}, pipeline_parallel={pp})"
+    experts = f", expert_parallel={ep}" if dims.ep_enabled else ""
+    layout = f"tensor_parallel={dims.tensor_parallel}, pipeline_parallel={pp}{experts}"
+    needed_by = f"{strategy_name}({layout})"
     check_contract(module, ParallelModule, needed_by)
     dims.validate_model(module.config, getattr(datamodule, "seq_len", None))
     if pp > 1:
@@ -216,30 +233,48 @@ def build_engine(
     bucket_size_mb: float = 25.0,
     overlap_comm: bool = True,
     compiled: bool = False,
+    partition: Mapping[str, Hashable] | None = None,
 ) -> GradientEngine | None:
-    """Our gradient engine on the ``dp`` group for ZeRO stage 0/1/2; None for stage 3.
+    """Our gradient engine on the dp group for ZeRO stage 0/1/2 (expert weights reduced over
+    their ``edp`` group); None for stage 3.
 
     Build it last: ``Module.to()`` re-sets the ``.data`` of DTensor parameters, after which
     their gradient hooks no longer fire. ``compiled``: the blocks are compiled (see
-    :class:`~plugintrain.strategies.GradientEngine`).
+    :class:`~plugintrain.strategies.GradientEngine`); ``partition``: keeps a pipeline
+    rank's chunks in buckets of their own (see
+    :func:`~plugintrain.strategies.pipeline_runtime.chunk_partition`).
     """
     if dims.fsdp_enabled:
         return None
     return GradientEngine(
         module.named_parameters(),
-        process_group=mesh["dp"].get_group(),
+        process_group=data_parallel_mesh(mesh).get_group(),
         stage=dims.zero_stage,
         bucket_size_mb=bucket_size_mb,
         overlap_comm=overlap_comm,
         compiled=compiled,
+        reduce_groups=expert_reduce_groups(module, mesh),
+        partition=partition,
     )
 
 
-def _fully_shard(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+def fsdp_mixed_precision(dtypes: PrecisionDtypes | None) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for mixed precision (torchtitan's): parameters all-gathered in the
+    compute dtype, gradients reduce-scattered in fp32 into the fp32 shards, which the
+    optimizer steps as master weights. None when weights and compute share a dtype."""
+    if dtypes is None or not dtypes.mixed:
+        return None
+    return MixedPrecisionPolicy(param_dtype=dtypes.compute, reduce_dtype=torch.float32)
+
+
+def _fully_shard(
+    module: nn.Module, dp_mesh: DeviceMesh, policy: MixedPrecisionPolicy | None
+) -> None:
+    kwargs = {} if policy is None else {"mp_policy": policy}
     # Transformer blocks are the FSDP2 units (one all-gather per block), as in torchtitan.
     for _, block in transformer_blocks(module):
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(module, mesh=dp_mesh)  # the rest: embeddings, final norm, (tied) head
+        fully_shard(block, mesh=dp_mesh, **kwargs)
+    fully_shard(module, mesh=dp_mesh, **kwargs)  # the rest: embeddings, final norm, (tied) head
 
 
 def tp_replicas(param: Tensor, tp: int) -> int:
@@ -262,8 +297,9 @@ def hybrid_gradient_layout(
 ) -> GradientLayout:
     """The layout of the gradients an optimizer steps, over the whole pp x tp x dp world.
 
-    With the engine, a shard's gradient is replicated over the dp group at stage 0 (once
-    at stage 1/2) and over the tp ranks that hold the same piece of its parameter; FSDP2
+    With the engine, a shard's gradient is replicated over the dp group at stage 0 (an
+    expert weight's over its ``edp`` group; once at stage 1/2) and over the tp ranks that
+    hold the same piece of its parameter; FSDP2
     gradients are DTensors on the 2-D mesh, which the default layout counts directly.
     Pipeline stages hold different parameters, except ``stage_replicated`` ones (an
     embedding tied to the head, held by the first and the last stage), counted twice.

@@ -23,26 +23,39 @@ on the group's one communicator, in the order the simulator checks; each rank po
 first batch before it waits for any other, so every rank of the group joins that
 communicator's lazy creation, which the first ``batch_isend_irecv`` needs. A batch's
 receives are waited for at once. Every message has a fixed shape, ``(micro-batch,
-sequence (/ tp with SP), hidden)``, and a fixed wire dtype, so bf16 autocast outputs
-never meet an fp32 receive buffer of another dtype. Activations are freed as soon as
+sequence (/ tp with SP), hidden)``, and a fixed wire dtype (by default the training
+compute dtype: bf16 under bf16 training halves the bytes of fp32), so bf16 autocast
+outputs never meet a receive buffer of another dtype; a received activation is cast to
+the dtype the stage's activations have in one process (``activation_dtype``: bf16
+weights under ``bf16-true`` take bf16 inputs). Activations are freed as soon as
 their backward has run, a sent tensor as soon as the schedule proves it delivered (an
 answer from its receiver has arrived: ``release_points``), and gradients are received
-into reused buffers (one; two where a receive comes an action early).
+into reused buffers (one; two where a receive comes an action early). A model with an
+auxiliary loss (:class:`~plugintrain.distributed.HasAuxiliaryLoss`: mixture-of-experts
+balance losses) has it taken after each training forward of a chunk and stashed with the
+output; its backward includes it, scaled as the loss is.
+
+As soon as the last backward of a chunk in a training step has run, the executor hands
+the chunk over (``chunk_done``), so the strategy starts reducing its gradients over dp
+while the cool-down runs the other chunks' backward (Megatron-LM's per-chunk overlap).
+Each step leaves an ordered log of what it did (:class:`StepEvent`), and the time it
+spent waiting on transfers: host time on the CPU, CUDA events on the current stream on
+GPUs, where ``wait()`` does not block the host (:class:`StepClock`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from plugintrain.distributed import StagedModel
+from plugintrain.distributed import HasAuxiliaryLoss, StagedModel
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline_schedules import (
     Action,
@@ -133,8 +146,10 @@ class PipelineOptions:
     layers_per_stage: tuple[int, ...] | Literal["auto"] | None = None
     """Blocks of each virtual stage, in stage order; None: equal; ``"auto"``: measured
     and chosen when the strategy sets up (:mod:`~plugintrain.strategies.balance`)."""
-    wire_dtype: torch.dtype = torch.float32
-    """Dtype of the activations and gradients sent between stages."""
+    wire_dtype: torch.dtype | None = None
+    """Dtype of the activations and gradients sent between stages; None: the training
+    compute dtype (bf16 under ``bf16-mixed``/``bf16-true``, fp16 under ``16-mixed``,
+    fp32 under ``32-true``), chosen by the runtime from the precision plugin."""
 
     @classmethod
     def resolve(
@@ -143,7 +158,7 @@ class PipelineOptions:
         schedule: str | None = None,
         microbatches: int | None = None,
         layers_per_stage: Sequence[int] | str | None = None,
-        wire_dtype: torch.dtype | str = torch.float32,
+        wire_dtype: torch.dtype | str | None = None,
     ) -> PipelineOptions:
         """Defaults from ``dims`` (``1f1b``, or ``interleaved`` with vpp > 1; ``microbatches =
         pipeline_parallel``), validated when ``dims`` has a pipeline.
@@ -174,8 +189,8 @@ def _layer_counts(value: Sequence[int] | str | None) -> tuple[int, ...] | Litera
     return tuple(value)
 
 
-def _dtype(value: torch.dtype | str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
+def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
         return value
     dtype = getattr(torch, str(value).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -251,12 +266,91 @@ def split_model(
     ]
 
 
+def _timing_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _elapsed_seconds(begin: Any, end: Any) -> float:
+    end.synchronize()  # the later event: once it has happened, so has ``begin``
+    return begin.elapsed_time(end) / 1000.0  # CUDA events measure milliseconds
+
+
+class StepClock:
+    """The seconds of one pipeline step and of its waits on communication.
+
+    On the CPU (gloo) a ``wait()`` blocks the host, so host time measures it. On CUDA
+    (NCCL) ``wait()`` returns at once, having made the current stream wait for the
+    transfer, and host time reads ~0: there the clock records events on the current
+    stream before and after each wait and at the step's ends, and reads the time between
+    them (how long the stream was held up) only when asked, so measuring adds no
+    synchronization to the step.
+
+    Args:
+        event_factory: Makes a timing event (``torch.cuda.Event(enable_timing=True)``);
+            injected by tests.
+    """
+
+    def __init__(self, event_factory: Callable[[], Any] = _timing_event) -> None:
+        self._new_event = event_factory
+        self._on_device = False
+        self._host_wait = self._host_step = self._started = 0.0
+        self._waits: list[tuple[Any, Any]] = []
+        self._step: list[Any] = []
+
+    def start(self, device: torch.device) -> None:
+        """Begin a step on ``device`` (events on CUDA, host time elsewhere)."""
+        self._on_device = device.type == "cuda"
+        self._host_wait, self._waits, self._step = 0.0, [], []
+        if self._on_device:
+            self._step.append(self._recorded())
+        self._started = time.perf_counter()
+
+    def stop(self) -> None:
+        """End the step."""
+        self._host_step = time.perf_counter() - self._started
+        if self._on_device:
+            self._step.append(self._recorded())
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the block's time as waiting on communication."""
+        if not self._on_device:
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._host_wait += time.perf_counter() - started
+            return
+        begin = self._recorded()
+        yield
+        self._waits.append((begin, self._recorded()))
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds the step spent waiting (see :meth:`waiting`)."""
+        if not self._on_device:
+            return self._host_wait
+        return sum(_elapsed_seconds(begin, end) for begin, end in self._waits)
+
+    @property
+    def step_seconds(self) -> float:
+        """Seconds from :meth:`start` to :meth:`stop` (on the device's timeline on CUDA)."""
+        if len(self._step) < 2:
+            return self._host_step
+        return _elapsed_seconds(*self._step)
+
+    def _recorded(self) -> Any:
+        event = self._new_event()
+        event.record()  # on the current stream, which ``wait()`` makes wait
+        return event
+
+
 class _Wire:
     """One rank's point-to-point traffic during a step: it posts the batches of
     :func:`~plugintrain.strategies.pipeline_schedules.p2p_plan` and holds what is in
     flight (tensors produced and not yet sent, received and not yet used, sends not yet
     known to be delivered). ``record_range`` opens the profiling range of a post or a wait
-    (see :class:`PipelineExecutor`)."""
+    (see :class:`PipelineExecutor`); ``clock`` times the waits."""
 
     def __init__(
         self,
@@ -271,11 +365,11 @@ class _Wire:
         self.inbox: dict[Message, Tensor] = {}  # received, until its action takes it
         self.sends: dict[Message, tuple[list[dist.Work], Tensor]] = {}
         self.spare_grads: list[Tensor] = []  # gradient buffers to receive into again
-        self.wait_seconds = 0.0
+        self.clock = StepClock()
         self.microbatches = 1
 
     def start_step(self, microbatches: int) -> None:
-        self.microbatches, self.wait_seconds = microbatches, 0.0
+        self.microbatches = microbatches
         self.outbox.clear()
         self.inbox.clear()
 
@@ -297,16 +391,15 @@ class _Wire:
         with self.record_range("pipeline_post"):
             works = dist.batch_isend_irecv(ops)
         each = [[work] for work in works] if len(works) == len(ops) else [works] * len(ops)
-        start = time.perf_counter()
-        for t, op, work in zip(batch, ops, each, strict=True):
-            if t.op == "send":
-                self.sends[t.message] = (work, op.tensor)
-                continue
-            with self.record_range("pipeline_recv_wait"):
-                for w in work:
-                    w.wait()
-            self.inbox[t.message] = op.tensor
-        self.wait_seconds += time.perf_counter() - start
+        with self.clock.waiting():
+            for t, op, work in zip(batch, ops, each, strict=True):
+                if t.op == "send":
+                    self.sends[t.message] = (work, op.tensor)
+                    continue
+                with self.record_range("pipeline_recv_wait"):
+                    for w in work:
+                        w.wait()
+                self.inbox[t.message] = op.tensor
 
     def _op(self, t: Transfer, shape: tuple[int, ...], device: torch.device) -> dist.P2POp:
         peer, tag = self.peers[t.peer], self.tag(t.message)
@@ -326,13 +419,32 @@ class _Wire:
         """Complete and drop sends that the schedule proves delivered
         (:func:`~plugintrain.strategies.pipeline_schedules.release_points`), so each sent
         tensor is freed as soon as nothing else (the stash) holds it."""
-        start = time.perf_counter()
-        for message in messages:
-            works, _ = self.sends.pop(message)
-            with self.record_range("pipeline_send_wait"):
-                for work in works:
-                    work.wait()
-        self.wait_seconds += time.perf_counter() - start
+        if not messages:
+            return
+        with self.clock.waiting():
+            for message in messages:
+                works, _ = self.sends.pop(message)
+                with self.record_range("pipeline_send_wait"):
+                    for work in works:
+                        work.wait()
+
+
+class StepEvent(NamedTuple):
+    """One thing a pipeline rank did in a step, in order (:attr:`PipelineExecutor.events`)."""
+
+    kind: Literal["F", "B", "R"]
+    """A forward, a backward, or the hand-over of a chunk's final gradients for reduction
+    (``chunk_done``)."""
+    chunk: int
+    microbatch: int | None
+    """None for ``"R"``."""
+    seconds: float
+    """When it began (``time.perf_counter()``: comparable across processes of one host)."""
+
+
+Plan = tuple[list[Batch], dict[int, list[Message]], dict[int, int]]
+"""A rank's transfer batches, release points, and the action indices after which each
+chunk's gradients are final (index -> chunk)."""
 
 
 class PipelineExecutor:
@@ -355,10 +467,18 @@ class PipelineExecutor:
         record_range: Opens a named profiling range (:func:`plugintrain.profiling.record`)
             around each forward and backward and the wire's posts and waits; the default
             records nothing. Injected, so the executor runs without a profiler.
+        activation_dtype: Received activations are cast to it before a stage runs on them:
+            the dtype of a stage's activations in one process (bf16 weights under
+            ``bf16-true``; fp32 under autocast, whose residual stream is fp32). None: as
+            received.
+        chunk_done: Called with a chunk's index as soon as the last backward of that chunk
+            in a training step has run (its gradients are final), while the schedule goes
+            on with the other chunks: the strategy starts their data-parallel reduction
+            there, as Megatron-LM does per model chunk.
 
     Attributes:
         peak_stashed: Most micro-batch chunks held for backward during the last step.
-        step_seconds: Wall time of the last step (``train_step`` or ``eval_step``).
+        events: What the last step did, in order (:class:`StepEvent`).
     """
 
     def __init__(
@@ -377,13 +497,15 @@ class PipelineExecutor:
         forward_context: ContextFactory = nullcontext,
         backward_context: ContextFactory = nullcontext,
         record_range: Callable[[str], AbstractContextManager] = nullcontext,
+        activation_dtype: torch.dtype | None = None,
+        chunk_done: Callable[[int], None] | None = None,
     ) -> None:
         if len(stages) != vpp:
             raise ValueError(f"Rank {rank} got {len(stages)} virtual stages for vpp={vpp}.")
         self.stages = stages
         self.pp, self.vpp, self.rank = pp, vpp, rank
         self.train_schedule = build_schedule(schedule, pp, vpp, microbatches)
-        self._plans: dict[tuple, tuple[list[Batch], dict[int, list[Message]]]] = {}
+        self._plans: dict[tuple, Plan] = {}
         self.group = group
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
         self._wire = _Wire(self.peers, group, wire_dtype, record_range)
@@ -393,9 +515,11 @@ class PipelineExecutor:
         self.seq_divisor = seq_divisor
         self.forward_context = forward_context
         self.backward_context = backward_context
+        self.activation_dtype = activation_dtype
+        self.chunk_done = chunk_done
         # Per step; kept as attributes so tests and benchmarks can read them.
         self.peak_stashed = 0
-        self.step_seconds = 0.0
+        self.events: list[StepEvent] = []
 
     @property
     def last_rank_global(self) -> int:
@@ -405,16 +529,29 @@ class PipelineExecutor:
     @property
     def wait_seconds(self) -> float:
         """Seconds the last step spent blocked on communication: in the ``wait()`` of each
-        batch's receives and of the sends completed after it. With :attr:`step_seconds`
-        it gives the measured idle fraction, ``wait / step``."""
-        return self._wire.wait_seconds
+        batch's receives and of the sends completed after it (on CUDA, the time the
+        current stream was held up there; see :class:`StepClock`). With
+        :attr:`step_seconds` it gives the measured idle fraction, ``wait / step``."""
+        return self._wire.clock.wait_seconds
 
-    def _plan(self, schedule: Schedule) -> tuple[list[Batch], dict[int, list[Message]]]:
-        """This rank's batches and release points of ``schedule``, computed once."""
+    @property
+    def step_seconds(self) -> float:
+        """Seconds of the last step (``train_step`` or ``eval_step``; on CUDA, on the
+        device's timeline)."""
+        return self._wire.clock.step_seconds
+
+    def _plan(self, schedule: Schedule) -> Plan:
+        """This rank's batches, release points and chunk ends of ``schedule``, computed once."""
         key = (schedule.name, schedule.microbatches, schedule.forward_only)
         if key not in self._plans:
             batches = p2p_plan(schedule)[self.rank]
-            self._plans[key] = batches, release_points(schedule, self.rank)
+            last_backward = {
+                action.chunk: index
+                for index, action in enumerate(schedule.actions[self.rank])
+                if action.kind == "B"
+            }
+            chunk_ends = {index: chunk for chunk, index in last_backward.items()}
+            self._plans[key] = batches, release_points(schedule, self.rank), chunk_ends
         return self._plans[key]
 
     # ---- steps ----------------------------------------------------------------------------
@@ -463,33 +600,40 @@ class PipelineExecutor:
                 f"The {schedule.name} schedule runs {schedule.microbatches} micro-batches, got"
                 f" {len(inputs)}."
             )
-        start = time.perf_counter()
         wire = self._wire
         wire.start_step(schedule.microbatches)
         b, seq_len = inputs[0].shape
         shape = (b, seq_len // self.seq_divisor, self.hidden_size)
         device = inputs[0].device
+        wire.clock.start(device)
         training = not schedule.forward_only
-        stash: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        stash: dict[tuple[int, int], tuple[Tensor | None, Tensor, Tensor | None]] = {}
         losses: list[Tensor] = []
-        self.peak_stashed = 0
-        batches, releases = self._plan(schedule)
+        self.peak_stashed, self.events = 0, []
+        batches, releases, chunk_ends = self._plan(schedule)
         try:
             for index, action in enumerate(schedule.actions[self.rank]):
                 wire.post(batches[index], shape, device)  # the last send, this input
+                self._note(action.kind, action.chunk, action.microbatch)
                 if action.kind == "F":
                     self._forward(action, inputs, targets, seq_len, training, stash, losses)
                     self.peak_stashed = max(self.peak_stashed, len(stash))
                 else:
                     self._backward(action, stash, loss_scale, scale_loss)
+                if index in chunk_ends and self.chunk_done is not None:
+                    self._note("R", action.chunk, None)
+                    self.chunk_done(action.chunk)
                 wire.release(releases.get(index, []))
             wire.post(batches[-1], shape, device)
         finally:
             wire.release(list(wire.sends))
-            self.step_seconds = time.perf_counter() - start
+            wire.clock.stop()
         if not losses:
             return None
         return torch.stack(losses).mean()
+
+    def _note(self, kind: Literal["F", "B", "R"], chunk: int, microbatch: int | None) -> None:
+        self.events.append(StepEvent(kind, chunk, microbatch, time.perf_counter()))
 
     def _forward(
         self,
@@ -507,6 +651,8 @@ class PipelineExecutor:
             x = inputs[mb]
         else:
             x = self._wire.inbox.pop(("F", stage.index - 1, mb))
+            if self.activation_dtype is not None:  # the wire may carry another dtype
+                x = x.to(self.activation_dtype)
             x.requires_grad_(training)
         with self.record_range("forward"), self.forward_context():
             out = stage(x, seq_len)
@@ -517,7 +663,8 @@ class PipelineExecutor:
         else:
             self._wire.outbox[("F", stage.index, mb)] = out
         if training:
-            stash[(action.chunk, mb)] = (None if stage.is_first else x, out)
+            aux = stage.model.take_aux_loss() if isinstance(stage.model, HasAuxiliaryLoss) else None
+            stash[(action.chunk, mb)] = (None if stage.is_first else x, out, aux)
 
     def _backward(
         self,
@@ -528,16 +675,29 @@ class PipelineExecutor:
     ) -> None:
         stage = self.stages[action.chunk]
         mb = action.microbatch
-        x, out = stash.pop((action.chunk, mb))
+        x, out, aux = stash.pop((action.chunk, mb))
         with self.record_range("backward"), self.backward_context():
             if stage.is_last:
-                loss = out * loss_scale
-                torch.autograd.backward(scale_loss(loss) if scale_loss is not None else loss)
+                loss = out if aux is None else out + aux
+                torch.autograd.backward(_scaled(loss, loss_scale, scale_loss))
             else:
                 grad = self._wire.inbox.pop(("B", stage.index + 1, mb))
-                torch.autograd.backward(out, grad.to(out.dtype))
+                outputs, grads = [out], [grad.to(out.dtype)]
+                if aux is not None:  # this chunk's share of the loss, scaled alike
+                    outputs.append(_scaled(aux, loss_scale, scale_loss))
+                    grads.append(None)
+                torch.autograd.backward(outputs, grads)
                 self._wire.reuse(grad)
         if x is not None:
             assert x.grad is not None
             self._wire.outbox[("B", stage.index, mb)] = x.grad
-        del x, out  # the activations of this micro-batch and chunk are free now
+        del x, out, aux  # the activations of this micro-batch and chunk are free now
+
+
+def _scaled(
+    loss: Tensor, loss_scale: float, scale_loss: Callable[[Tensor], Tensor] | None
+) -> Tensor:
+    """A micro-batch's loss (term) as backward takes it: times ``loss_scale``, then through
+    the precision plugin's loss scaler, if any."""
+    loss = loss * loss_scale
+    return scale_loss(loss) if scale_loss is not None else loss

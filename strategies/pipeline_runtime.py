@@ -5,9 +5,19 @@ automatic loop calling ``LightningModule.training_step``. :class:`PipelineRuntim
 that job: it cuts each batch into micro-batches, runs the schedule with the
 :class:`~plugintrain.strategies.pipeline.PipelineExecutor` inside the precision plugin's
 autocast (FP16 loss scaling on the last stage), broadcasts the loss from the last stage
-so every rank logs it through the module's ``record_loss``, runs validation and test as
-forward-only schedules, and, once the schedule is done, sums tied parameters' gradients
-across stages and reduces all gradients over dp in one go.
+so every rank logs it through the module's ``record_loss``, and runs validation and
+test as forward-only schedules. Activations travel in the training compute dtype unless
+``wire_dtype`` says otherwise, and are cast on arrival to the dtype the stage's weights
+and residual stream have (:func:`~plugintrain.precision_plugins.precision_dtypes`).
+
+Gradients reach the data-parallel engine chunk by chunk: the engine's buckets never mix
+two chunks' parameters (:func:`chunk_partition`), and as soon as a chunk's last backward
+of the step has run its buckets start reducing (``GradientEngine.launch``) while the
+schedule's cool-down runs the other chunks' backward. Every rank of a dp group runs the
+same schedule, so they launch the same buckets in the same order. Weights tied across
+stages (the embedding and the head) have buckets of their own, which wait until the
+schedule is done and their two copies' gradients are summed across stages; then the
+remaining reductions are waited for.
 
 A strategy holds ``None`` (no pipeline) or one runtime; the runtime needs only the
 :class:`~plugintrain.distributed.ParallelModule` contract of the module.
@@ -16,6 +26,7 @@ A strategy holds ``None`` (no pipeline) or one runtime; the runtime needs only t
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from contextlib import nullcontext
 from typing import Any
 
@@ -28,6 +39,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from plugintrain import profiling
 from plugintrain.distributed import ModelShape, ParallelModule, StagedModel, check_contract
+from plugintrain.precision_plugins import precision_dtypes
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline import (
@@ -38,6 +50,9 @@ from plugintrain.strategies.pipeline import (
     split_model,
 )
 from plugintrain.strategies.tied import TiedParameters
+
+TIED: Hashable = "tied"
+"""The :func:`chunk_partition` key of weights tied across stages."""
 
 
 def check_pipeline(
@@ -73,6 +88,31 @@ def split_stages(
     )
 
 
+def chunk_partition(
+    module: ParallelModule, stages: list[VirtualStage], tied: TiedParameters
+) -> dict[str, Hashable]:
+    """Each trainable parameter's name -> the chunk (index into ``stages``) whose backward
+    produces its gradient, or :data:`TIED` for a weight tied across stages.
+
+    A block's parameters belong to the chunk that runs the block; the others (the
+    embedding on the first stage, the final norm and head on the last) to the rank's
+    first or last stage, the one chunk that runs them (with pp > 1 no rank holds both).
+    Given to the gradient engine as its ``partition``.
+    """
+    owner: dict[int, int] = {}
+    for chunk, stage in enumerate(stages):
+        for key in stage.layer_keys:
+            owner.update((id(p), chunk) for p in stage.model.layers[key].parameters())
+    ends = [chunk for chunk, stage in enumerate(stages) if stage.is_first or stage.is_last]
+    rest = ends[0] if ends else 0
+    tied_names = {name for pair in tied.pairs for name in pair}
+    return {
+        name: TIED if name in tied_names else owner.get(id(p), rest)
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    }
+
+
 class PipelineRuntime:
     """Runs one pipeline rank's schedules for a strategy.
 
@@ -102,6 +142,9 @@ class PipelineRuntime:
         self.precision_plugin = precision_plugin
         self.tied = TiedParameters.of(module)
         self.tied.join_stages(module, mesh, global_rank)
+        self._engine: GradientEngine | None = None
+        self._chunk_params = _chunk_parameters(module, chunk_partition(module, stages, self.tied))
+        dtypes = precision_dtypes(precision_plugin)
         self.executor = PipelineExecutor(
             stages,
             options.schedule,
@@ -114,16 +157,20 @@ class PipelineRuntime:
             loss_fn=lambda logits, targets: module.loss_fn(logits, targets),
             hidden_size=module.config.n_embd,
             seq_divisor=dims.tensor_parallel if dims.sequence_parallel else 1,
-            wire_dtype=options.wire_dtype,
+            wire_dtype=options.wire_dtype or dtypes.compute,
             forward_context=precision_plugin.forward_context,
             backward_context=loss_parallel if dims.tp_enabled else nullcontext,
             record_range=profiling.record,
+            activation_dtype=dtypes.params,
+            chunk_done=self._reduce_chunk,
         )
 
     def training_step(self, batch: Any, engine: GradientEngine, accumulate: int) -> Tensor:
         """Forward and backward of every micro-batch of ``batch``; returns the batch loss.
 
-        Gradients accumulate in ``engine``'s buffers, unreduced until :meth:`finish_gradients`.
+        Gradients accumulate in ``engine``'s buffers; each chunk's start reducing as soon as
+        its last backward has run (except under gradient accumulation, where the engine
+        waits for the last batch), and :meth:`finish_gradients` completes the reduction.
 
         Args:
             batch: ``(x, y)``, this rank's whole batch.
@@ -132,6 +179,7 @@ class PipelineRuntime:
         """
         inputs, targets = _microbatches(batch, self.microbatches)
         scaler = getattr(self.precision_plugin, "loss_scaler", None)
+        self._engine = engine
         with engine.defer_reduction():
             loss = self.executor.train_step(
                 inputs,
@@ -151,9 +199,15 @@ class PipelineRuntime:
         self.module.record_loss(stage, loss, batch)
 
     def finish_gradients(self, engine: GradientEngine) -> None:
-        """Sum tied weights' gradients over the first and last stage, then reduce over dp."""
+        """Sum tied weights' gradients over the first and last stage, then finish reducing
+        over dp (the chunks' buckets are on their way already)."""
         self.tied.sum_gradients(engine)
         engine.finish_grad_sync()
+
+    def _reduce_chunk(self, chunk: int) -> None:
+        """Start reducing ``chunk``'s buckets: the executor has run its last backward."""
+        if self._engine is not None:
+            self._engine.launch(self._chunk_params.get(chunk, []))  # a chunk may train nothing
 
     def _broadcast_loss(self, loss: Tensor | None, device: torch.device) -> Tensor:
         """The last stage's loss on every rank of the pipeline (zeros stand in elsewhere)."""
@@ -162,6 +216,18 @@ class PipelineRuntime:
         executor = self.executor
         dist.broadcast(value, src=executor.last_rank_global, group=executor.group)
         return value
+
+
+def _chunk_parameters(
+    module: ParallelModule, partition: dict[str, Hashable]
+) -> dict[int, list[Tensor]]:
+    """The trainable parameters of each chunk (tied weights excluded), by chunk index."""
+    chunks: dict[int, list[Tensor]] = {}
+    for name, param in module.named_parameters():
+        chunk = partition.get(name, TIED)
+        if isinstance(chunk, int):
+            chunks.setdefault(chunk, []).append(param)
+    return chunks
 
 
 def _microbatches(batch: Any, count: int) -> tuple[list[Tensor], list[Tensor]]:

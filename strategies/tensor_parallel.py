@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -37,8 +37,10 @@ from torch.distributed.tensor.parallel import (
 
 from plugintrain.distributed import TensorParallelExtras
 
-# Styles that exist only to keep activations sharded over the sequence.
-SP_ONLY_STYLES = frozenset({"sequence_parallel", "sequence_scatter"})
+# Styles that exist only to keep activations sharded over the sequence (or to undo it).
+SP_ONLY_STYLES = frozenset(
+    {"sequence_parallel", "sequence_scatter", "gathered_tokens", "local_tokens"}
+)
 
 
 class _FirstInput(PrepareModuleInput):
@@ -92,6 +94,22 @@ class _Rowwise(RowwiseParallel):
         _split_extras("rowwise", split, self.src_data_rank, name, module, mesh)
 
 
+class _SumGradient(ParallelStyle):
+    """Identity forward on the module's first input, whose gradient is summed over the tp
+    ranks in backward: the input is the same on every rank, but each uses it for its own
+    heads only (MLA's RoPE key, shared by all heads), so each computes part of its
+    gradient. Megatron's ``f`` operator for one tensor, through a DTensor whose local
+    gradient is marked ``Partial``."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def summed(_: nn.Module, inputs: tuple) -> tuple:
+            shared = DTensor.from_local(inputs[0], device_mesh, [Replicate()], run_check=False)
+            return (shared.to_local(grad_placements=[Partial()]), *inputs[1:])
+
+        module.register_forward_pre_hook(summed)
+        return module
+
+
 def _tp_input(sp: bool) -> ParallelStyle:
     # One replicated DTensor feeds all of a block's column-parallel Linears (q, k, v or
     # w1, w3), so backward reduces the input gradient once (Megatron's `f` operator), not
@@ -105,7 +123,8 @@ def style(name: str, sequence_parallel: bool) -> ParallelStyle:
 
     Args:
         name: ``colwise``, ``rowwise``, ``vocab_embedding``, ``vocab_head``, ``tp_input``,
-            ``head_norm``, ``sequence_parallel`` or ``sequence_scatter``.
+            ``head_norm``, ``head_shared``, ``sequence_parallel``, ``sequence_scatter``,
+            ``gathered_tokens`` or ``local_tokens``.
         sequence_parallel: Whether the residual stream is sharded over the sequence.
 
     Raises:
@@ -131,7 +150,21 @@ def style(name: str, sequence_parallel: bool) -> ParallelStyle:
         # Shard(2) and the norm runs locally; the replicated weight's gradient differs per
         # rank: it is left Partial over tp and summed where it is reduced. With or without SP.
         "head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+        # An input every head uses (MLA's RoPE key): its gradient is summed over tp.
+        "head_shared": _SumGradient,
         "sequence_parallel": SequenceParallel,
+        # SP only: the module runs replicated on the whole sequence as plain tensors (MLA's
+        # latent projections; its output comes from a row-parallel Linear, so no slicing).
+        # Every rank's input gradient is then whole and the same: backward slices, no comm.
+        "gathered_tokens": lambda: _FirstInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        # SP only: the module runs on the rank's own sequence shard as plain tensors (a
+        # mixture of experts; its replicated parameters' gradients are partial, see
+        # plugintrain.strategies.expert_parallel). No communication.
+        "local_tokens": lambda: _FirstInput(
+            input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True
+        ),
         # Replicate -> Shard(1) is a local slice: no communication.
         "sequence_scatter": lambda: PrepareModuleInput(
             input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True

@@ -2,9 +2,10 @@
 
 For the chosen modules and steps it records each forward output, the gradient flowing
 back into that output, and the gradients of the module's own parameters: dtype, shape,
-mean, std, abs-max, NaN/Inf counts and a hash of the bytes. DTensors are gathered to the
-full logical tensor first, so runs under different parallel layouts write comparable
-files. ``plugintrain compare`` reads them.
+mean, std, abs-max, NaN/Inf counts and a fingerprint of the bytes, all computed on the
+tensor's device (only scalars reach the host). DTensors are gathered to the full logical
+tensor first, so runs under different parallel layouts write comparable files.
+``plugintrain compare`` reads them.
 
 Files: ``<dirpath>/step_<step>/rank_<rank>.json``, one per rank per recorded step.
 """
@@ -12,7 +13,6 @@ Files: ``<dirpath>/step_<step>/rank_<rank>.json``, one per rank per recorded ste
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -35,24 +35,67 @@ def _full(tensor: Tensor) -> Tensor:
 def tensor_stats(tensor: Tensor) -> dict[str, Any]:
     """Statistics of the full logical tensor (DTensor shards are gathered first).
 
+    Computed where the tensor lives, in fp64 one chunk at a time (a GPU tensor never goes
+    to the host, nor exists whole in fp64); only the scalars come back, in one copy.
+
     Returns:
         ``dtype``, ``shape``, ``mean``, ``std`` (population), ``absmax``, ``nan``, ``inf``
-        (element counts) and ``hash`` (sha256 of the raw bytes, first 16 hex digits).
+        (element counts) and ``hash`` (16 hex digits of a fingerprint of the raw bytes;
+        see :func:`_fingerprint`).
     """
-    full = _full(tensor.detach()).contiguous()
-    values = full.double()
-    finite = values.isfinite()
-    raw = full.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    full = _full(tensor.detach()).contiguous().reshape(-1)
+    info = {"dtype": str(full.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+    if full.numel() == 0:
+        return {**info, "mean": 0.0, "std": 0.0, "absmax": 0.0, "nan": 0, "inf": 0, "hash": "0"}
+    chunks = full.split(_CHUNK)
+    total, absmax, nan, inf = (torch.zeros((), dtype=torch.float64, device=full.device),) * 4
+    for chunk in chunks:
+        values = chunk.double()
+        total = total + values.sum()
+        absmax = torch.maximum(absmax, values.abs().max())  # NaN propagates, as max does
+        nan, inf = nan + values.isnan().sum(), inf + values.isinf().sum()
+    mean = total / full.numel()
+    squares = sum(((chunk.double() - mean) ** 2).sum() for chunk in chunks)  # two passes:
+    std = (squares / full.numel()).sqrt()  # no cancellation for a large mean
+    scalars = torch.stack([mean, std, absmax, nan, inf, *_fingerprint(full)]).tolist()
+    mean, std, absmax, nan, inf, low, high = scalars
     return {
-        "dtype": str(full.dtype).removeprefix("torch."),
-        "shape": list(full.shape),
-        "mean": values.mean().item() if values.numel() else 0.0,
-        "std": values.std(correction=0).item() if values.numel() else 0.0,
-        "absmax": values.abs().max().item() if values.numel() else 0.0,
-        "nan": int(values.isnan().sum()),
-        "inf": int((~finite & ~values.isnan()).sum()),
-        "hash": hashlib.sha256(raw).hexdigest()[:16],
+        **info,
+        "mean": mean,
+        "std": std,
+        "absmax": absmax,
+        "nan": int(nan),
+        "inf": int(inf),
+        "hash": f"{int(high):08x}{int(low):08x}",
     }
+
+
+_CHUNK = 1 << 22
+"""Elements per chunk of the statistics and the fingerprint (32 MiB in fp64 or int64)."""
+_PRIME = 2**31 - 1
+"""A Mersenne prime: products of two residues stay below 2**62, so int64 never overflows
+and every device computes the same fingerprint."""
+
+
+def _fingerprint(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """Two 31-bit sums over the bytes of ``flat`` (1-D), computed on its device.
+
+    Each 16-bit word ``w`` at position ``i`` (bytes for odd element sizes) contributes
+    ``((w + 1) * k_i mod p)**2 mod p`` with ``k_i`` a nonzero position weight: changing any
+    one element changes the sum for sure, moving or changing several collides with
+    probability about ``1/p`` per sum. Integer arithmetic, so CPU and CUDA runs of the
+    same bytes give the same digits.
+    """
+    words = flat.view(torch.int16 if flat.element_size() % 2 == 0 else torch.uint8)
+    sums = [torch.zeros((), dtype=torch.int64, device=flat.device) for _ in range(2)]
+    for start in range(0, words.numel(), _CHUNK):
+        word = words[start : start + _CHUNK].long() & 0xFFFF  # (n,) unsigned values
+        position = torch.arange(start, start + word.numel(), device=flat.device)
+        for k, (a, b) in enumerate(((48271, 11), (69621, 7))):
+            weight = (position * a + b) % (_PRIME - 1) + 1  # in [1, p): never cancels a word
+            term = (word + 1) * weight % _PRIME
+            sums[k] = (sums[k] + (term * term % _PRIME).sum()) % _PRIME
+    return sums[0].double(), sums[1].double()
 
 
 def step_file(dirpath: str | Path, step: int, rank: int) -> Path:

@@ -12,6 +12,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
 from plugintrain.data._atomic import atomic_open
+from plugintrain.data._pinning import pin_memory_for
 
 # Mean and std of the MNIST training pixels scaled to [0, 1] (the torchvision constants).
 MNIST_MEAN = 0.1307
@@ -180,4 +181,5 @@ class MNISTDataModule(LightningDataModule):
             shuffle=shuffle,
             num_workers=self.num_workers,
             generator=generator,
+            pin_memory=pin_memory_for(self.trainer),
         )

@@ -15,6 +15,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from plugintrain.data._pinning import pin_memory_for
 from plugintrain.data.token_bin import read_token_bin
 from plugintrain.data.token_bytes import read_token_bytes
 from plugintrain.data.tokenizers import tokenizer_short_name, tokenizer_spec
@@ -322,6 +323,7 @@ class TokenDataModule(LightningDataModule):
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=pin_memory_for(self.trainer),
         )
 
 

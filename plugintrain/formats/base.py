@@ -10,6 +10,7 @@ tensor at a time and keeps only its own box of it.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -18,13 +19,19 @@ from torch import Tensor, nn
 
 from plugintrain.checkpoint_files import shape_mismatch
 from plugintrain.lora import is_adapter_name
-from plugintrain.model_zoo import gpt2, llama3, qwen3
+from plugintrain.model_zoo import deepseek_v3, gpt2, llama3, qwen3, qwen3_moe
 from plugintrain.model_zoo.adapters import Plan
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.transformer import Transformer
 from plugintrain.tensor_boxes import local_box, select
 
-FAMILIES = {"gpt2": gpt2, "llama3": llama3, "qwen3": qwen3}
+FAMILIES = {
+    "gpt2": gpt2,
+    "llama3": llama3,
+    "qwen3": qwen3,
+    "deepseek_v3": deepseek_v3,
+    "qwen3_moe": qwen3_moe,
+}
 """Model family -> its module (config mapping and import/export plans for Hugging Face)."""
 
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
@@ -172,21 +179,34 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
 
 ARCHITECTURE_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd",
                        "head_dim", "ffn_dim", "bias", "norm", "mlp", "position", "rope_theta",
-                       "rope_scaling", "qk_norm", "tie_embeddings")  # fmt: skip
+                       "rope_scaling", "qk_norm", "tie_embeddings", "attention", "mla",
+                       "moe")  # fmt: skip
 """What must agree between a model's config and the weights loaded into it. The rest a run
 may choose: ``dropout``, a RoPE model's ``block_size`` (a learned position table's size is
-checked as a shape when the weights load)."""
+checked as a shape when the weights load), and how a mixture of experts is trained
+(:data:`MOE_TRAINING_FIELDS`). Routing settings that leave every shape alone (``top_k``,
+``score_func``, groups, scaling) are architecture: other values compute another function."""
+
+MOE_TRAINING_FIELDS = {"bias_update_rate": 0.0, "aux_loss_coeff": 0.0, "capacity_factor": None}
+"""``MoEConfig`` fields a run may set apart from the weights' (with their neutral values)."""
+
+
+def _architecture(config: TransformerConfig, field: str) -> object:
+    """``config``'s ``field``, a mixture of experts without its training settings."""
+    value = getattr(config, field)
+    if field == "moe" and value is not None:
+        return dataclasses.replace(value, **MOE_TRAINING_FIELDS)
+    return value
 
 
 def check_architecture(model: TransformerConfig, weights: Weights) -> None:
     """Raise a one-line :class:`WeightFormatError` naming each field in which ``model``
     differs from the architecture the weights file holds."""
     held = weights.config
-    differ = [f for f in ARCHITECTURE_FIELDS if getattr(model, f) != getattr(held, f)]
+    differ = [f for f in ARCHITECTURE_FIELDS if _architecture(model, f) != _architecture(held, f)]
     if differ:
-        both = ", ".join(
-            f"{f}={getattr(held, f)!r} (config: {getattr(model, f)!r})" for f in differ
-        )
+        values = [(f, _architecture(held, f), _architecture(model, f)) for f in differ]
+        both = ", ".join(f"{f}={theirs!r} (config: {ours!r})" for f, theirs, ours in values)
         raise WeightFormatError(
             f"{weights.path}: holds a model with {both}; leave the model's config unset to"
             " build the architecture the file holds."

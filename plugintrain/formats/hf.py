@@ -29,7 +29,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 MAX_SHARD_BYTES = 5 * 2**30
 """Hugging Face's default shard size: larger exports are split, with an index."""
 
-_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama3", "qwen3": "qwen3"}
+_MODEL_TYPES = {
+    "gpt2": "gpt2",
+    "llama": "llama3",
+    "qwen3": "qwen3",
+    "deepseek_v3": "deepseek_v3",
+    "qwen3_moe": "qwen3_moe",
+}
 """Hugging Face ``model_type`` -> our family."""
 
 
@@ -52,7 +58,7 @@ class HFReader:
         if model_type not in _MODEL_TYPES:
             raise WeightFormatError(
                 f"{path / CONFIG}: model_type {model_type!r} is not supported; plugintrain"
-                f" imports {sorted(_MODEL_TYPES)} (GPT-2, Llama and dense Qwen3)."
+                f" imports {sorted(_MODEL_TYPES)}."
             )
         family = FAMILIES[_MODEL_TYPES[model_type]]
         try:

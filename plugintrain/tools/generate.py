@@ -18,6 +18,7 @@ from plugintrain.data.assets import PRETRAINED_MODELS
 from plugintrain.tools._args import ToolParser
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor
 
     from plugintrain.data import HFTokenizer, Tokenizer
@@ -76,6 +77,12 @@ def _parser() -> ToolParser:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object per sample (text and token ids)"
     )
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="where the model runs: cpu, cuda, cuda:N, mps, ... (default: cuda when a GPU is"
+        " available, else cpu)",
+    )
     return parser
 
 
@@ -103,6 +110,33 @@ def _argument_problem(args: Namespace) -> str | None:
                 " `plugintrain fit` wrote, e.g. runs/<recipe>/checkpoints/last.ckpt"
             )
     return None
+
+
+def _device(spec: str | None) -> torch.device:
+    """The device ``--device`` names; by default CUDA when available, else the CPU.
+
+    Raises:
+        ValueError: Naming the value, when torch knows no such device or this machine has
+            none (``--device cuda`` without a GPU).
+    """
+    import torch
+
+    if spec is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device {spec}: not a device; pass cpu, cuda, cuda:N or mps") from None
+    if device.type == "cpu":
+        return device
+    here = torch.accelerator.current_accelerator(check_available=True)  # None: CPU only
+    if here is None or here.type != device.type:
+        found = "no accelerator" if here is None else f"{here.type}, not {device.type}"
+        raise ValueError(f"--device {spec}: this machine has {found}; pass --device cpu")
+    count = torch.accelerator.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(f"--device {spec}: this machine has {count} {device.type} device(s)")
+    return device
 
 
 def _prompt_problem(prompt: list[int], args: Namespace, module: CausalLM) -> str | None:
@@ -208,7 +242,7 @@ def _print_samples(
 ) -> None:
     import torch
 
-    ids = torch.tensor([prompt], dtype=torch.long)
+    ids = torch.tensor([prompt], dtype=torch.long, device=module.device)
     for i in range(args.num_samples):
         out = module.generate(
             ids,
@@ -245,7 +279,8 @@ def main(argv: Sequence[str]) -> int:
     from plugintrain.data import get_tokenizer
 
     torch.manual_seed(args.seed)
-    try:  # a bad --tokenizer is refused before the checkpoint is read
+    try:  # a bad --device or --tokenizer is refused before the checkpoint is read
+        device = _device(args.device)
         tokenizer = get_tokenizer(args.tokenizer) if args.tokenizer else None
         args.ckpt_path, args.adapter = _newest_in(args.ckpt_path), _newest_in(args.adapter)
         if args.adapter is None:
@@ -255,7 +290,7 @@ def main(argv: Sequence[str]) -> int:
         tokenizer = tokenizer or get_tokenizer(_model_tokenizer(module))
     except (FileNotFoundError, ValueError) as error:  # incl. unsafe or truncated files
         parser.error(str(error))
-    module.eval()
+    module.to(device).eval()
     prompt = tokenizer.encode(args.prompt)
     problem = _prompt_problem(prompt, args, module)
     if problem is not None:

@@ -1,12 +1,13 @@
 """The memory estimator (plugintrain.estimate) against what ranks really hold.
 
 **Training state, exactly.** Each layout trains one step through Lightning and the real
-strategy (one process; ZeroStrategy stage 1 and 2 at dp 2; hybrid tp 2, pp 2, and
-dp 2 x tp 2 x pp 2 on 8 processes). Right after the optimizer step every rank adds up the
-distinct storages it holds: the local shards of the parameters (the gradient engine's flat,
-padded buckets), the gradient buffers that outlive the step (the engine's buckets or 1/dp
-shards, ``.grad`` tensors without it) and the optimizer's state tensors. The estimator's
-parameter, gradient and optimizer bytes for that rank must equal them to the byte.
+strategy (one process; ZeroStrategy stage 1 and 2 at dp 2; hybrid tp 2, pp 2, ep 2 (a
+mixture of experts), and dp 2 x tp 2 x pp 2 on 8 processes). Right after the optimizer
+step every rank adds up the distinct storages it holds: the local shards of the
+parameters (the gradient engine's flat, padded buckets), the gradient buffers that
+outlive the step (the engine's buckets or 1/dp shards, ``.grad`` tensors without it) and
+the optimizer's state tensors. The estimator's parameter, gradient and optimizer bytes
+for that rank must equal them to the byte.
 Processes start once per world size (2 and 8) and run their layouts in turn; small
 buckets make the engine split, pad and shard many buckets.
 
@@ -64,6 +65,9 @@ CASES: dict[int, list[tuple[str, str, Layout]]] = {
             "llama3-debug",
             Layout("hybrid", pp=2, microbatches=2, zero_stage=1, layers_per_stage=(3, 1)),
         ),
+        # Experts split over ep: their buckets are sharded over the dp / ep = 1 ranks
+        # holding them, the rest over dp.
+        ("dp2xep2", "deepseek-v3-debug", Layout("hybrid", dp=2, ep=2, zero_stage=2)),
     ],
     8: [("dp2xtp2xpp2", "gpt2-debug", Layout("hybrid", dp=2, tp=2, pp=2, zero_stage=2))],
 }
@@ -78,6 +82,7 @@ def _strategy(layout: Layout) -> Any:
         data_parallel=layout.dp, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
         microbatches=layout.microbatches, zero_stage=layout.zero_stage,
         layers_per_stage=layout.layers_per_stage, bucket_size_mb=BUCKET_MB,
+        expert_parallel=layout.ep,
     )  # fmt: skip
 
 

@@ -45,6 +45,8 @@ def test_recipes_cover_the_issue() -> None:
         "llama3_1b_lora_shakespeare",
         "qwen3_debug_shakespeare_cpu",
         "qwen3_0.6b_shakespeare",
+        "deepseek_v3_debug_shakespeare_cpu",
+        "moe_1b_shakespeare",
     } <= names
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from plugintrain.data import TokenDataModule, write_token_bin
 
@@ -28,7 +29,8 @@ def _fake_trainer(replicas: int, rank: int, processed: int = 0, epoch: int = 0):
     progress = SimpleNamespace(current=SimpleNamespace(processed=processed))
     return SimpleNamespace(
         strategy=SimpleNamespace(
-            distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank}
+            distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank},
+            root_device=torch.device("cpu"),
         ),
         fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
         current_epoch=epoch,

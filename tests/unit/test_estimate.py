@@ -6,6 +6,7 @@ That the bytes are right is measured in ``tests/distributed/test_estimate_distri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 
@@ -81,7 +82,8 @@ def test_fit_says_when_nothing_fits(capsys: pytest.CaptureFixture) -> None:
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
-        (["gpt2-debug", "--ep", "2"], ["ep=2", "ep=1"]),
+        (["gpt2-debug", "--ep", "2"], ["expert_parallel=2", "use expert_parallel=1"]),
+        (["deepseek-v3-debug", "--dp", "6", "--ep", "3"], ["n_routed_experts=8", "[1, 2]"]),
         (["llama3-debug", "--tp", "3"], ["tensor_parallel=3"]),
         (["llama3-debug", "--pp", "3"], ["pipeline_parallel=3", "[1, 2, 4]"]),
         (["gpt2-debug", "--sp"], ["sequence_parallel=True", "tensor_parallel > 1"]),
@@ -110,8 +112,6 @@ def test_bad_input_is_one_line_naming_the_value(
 
 
 def test_config_file(tmp_path, capsys: pytest.CaptureFixture) -> None:
-    import dataclasses
-
     config = TransformerConfig.from_name("gpt2-debug", n_layer=2)
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(dataclasses.asdict(config)))
@@ -145,3 +145,18 @@ def test_8b_on_64_devices_allocates_nothing() -> None:
     assert fits and fits[0].layout.world_size < 16
     # The weights alone (bf16-mixed keeps fp32 master weights) need a few devices.
     assert fits[0].layout.world_size * 80 * 2**30 > 4 * config.num_params()
+
+
+def test_expert_parallelism_splits_the_experts_only() -> None:
+    """ep=2 holds half of each MoE layer's stacked experts (everything else whole) and
+    steps their AdamW state over the dp / ep ranks that hold them; activations are alike."""
+    config = TransformerConfig.from_name("deepseek-v3-debug")
+    base = Layout("hybrid", dp=2, zero_stage=0, seq_len=64, bucket_size_mb=1000)
+    whole = estimate(config, base).ranks[0]
+    split = estimate(config, dataclasses.replace(base, ep=2)).ranks[0]
+    moe = config.moe
+    sparse = sum(moe.is_moe_layer(i) for i in range(config.n_layer))
+    experts = sparse * 3 * moe.n_routed_experts * moe.moe_intermediate_size * config.n_embd * 4
+    assert whole.parameters - split.parameters == pytest.approx(experts / 2, abs=8)
+    assert whole.optimizer - split.optimizer == pytest.approx(experts, abs=8)
+    assert whole.activations == split.activations

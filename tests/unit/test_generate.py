@@ -232,14 +232,9 @@ def test_bad_tokenizer_is_one_line_before_the_checkpoint_is_read(capsys, tmp_pat
     )
 
 
-def test_the_tokenizer_that_came_with_the_weights_reads_the_prompt(capsys, tmp_path, monkeypatch):
-    import json
-
+def _bpe_lm(tmp_path):
+    """A tiny GPT-2 whose config names a BPE tokenizer trained here (in ``tmp_path``)."""
     from tokenizers import ByteLevelBPETokenizer
-
-    from plugintrain.cli import main
-    from plugintrain.data import get_tokenizer
-    from plugintrain.tools import generate
 
     bpe = ByteLevelBPETokenizer()
     verse = "Now is the winter of our discontent made glorious summer by this sun of York"
@@ -254,6 +249,17 @@ def test_the_tokenizer_that_came_with_the_weights_reads_the_prompt(capsys, tmp_p
     lm = CausalLM(config)
     lm.configure_model()
     (tmp_path / "last.ckpt").write_bytes(b"stands for the model above")
+    return lm
+
+
+def test_the_tokenizer_that_came_with_the_weights_reads_the_prompt(capsys, tmp_path, monkeypatch):
+    import json
+
+    from plugintrain.cli import main
+    from plugintrain.data import get_tokenizer
+    from plugintrain.tools import generate
+
+    lm = _bpe_lm(tmp_path)
     monkeypatch.setattr(generate, "load_causal_lm", lambda path: lm)
     args = ["--prompt=the winter of", "--max_new_tokens=4", "--temperature=0", "--json"]
     assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", *args]) == 0
@@ -263,3 +269,70 @@ def test_the_tokenizer_that_came_with_the_weights_reads_the_prompt(capsys, tmp_p
     assert len(prompt) < len("the winter of")  # the merges at work, not bytes
     assert sample["tokens"][: len(prompt)] == prompt and len(sample["tokens"]) == len(prompt) + 4
     assert sample["text"] == tok.decode(sample["tokens"])
+
+
+# ---- where `plugintrain generate` runs ---------------------------------------------------
+
+
+def test_device_cpu_runs_the_model_there(capsys, tmp_path, monkeypatch):
+    import json
+
+    from plugintrain.cli import main
+    from plugintrain.tools import generate
+
+    lm = _bpe_lm(tmp_path)
+    moved = []
+    monkeypatch.setattr(generate, "load_causal_lm", lambda path: lm)
+    monkeypatch.setattr(lm, "to", lambda device: moved.append(device) or lm)
+    args = ["--prompt=the winter of", "--max_new_tokens=3", "--temperature=0", "--json"]
+    assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", *args, "--device=cpu"]) == 0
+    assert moved == [torch.device("cpu")]
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) > 3
+
+
+def _cpu_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available: None)
+
+
+def _one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available: gpu)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+
+
+@pytest.mark.parametrize(
+    ("machine", "device", "message"),
+    [
+        (_cpu_only, "cuda", "--device cuda: this machine has no accelerator; pass --device cpu"),
+        (_cpu_only, "gpu", "--device gpu: not a device; pass cpu, cuda, cuda:N or mps"),
+        (_one_gpu, "mps", "--device mps: this machine has cuda, not mps; pass --device cpu"),
+        (_one_gpu, "cuda:3", "--device cuda:3: this machine has 1 cuda device(s)"),
+    ],
+    ids=["no-gpu", "unknown", "other-accelerator", "index"],
+)  # fmt: skip
+def test_unavailable_device_is_one_line_before_loading(
+    capsys, tmp_path, monkeypatch, machine, device, message
+):
+    from plugintrain.cli import main
+    from plugintrain.tools import generate
+
+    machine(monkeypatch)
+    (tmp_path / "last.ckpt").write_bytes(b"not read")
+    monkeypatch.setattr(generate, "load_causal_lm", lambda path: pytest.fail("checkpoint read"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", f"--device={device}"])
+    assert exit_info.value.code == 2
+    help_hint = "(`plugintrain generate --help` lists the options)"
+    assert capsys.readouterr().err == f"plugintrain generate: error: {message} {help_hint}\n"
+
+
+def test_default_device_is_cuda_when_available(monkeypatch):
+    from plugintrain.tools.generate import _device
+
+    _cpu_only(monkeypatch)
+    assert _device(None) == torch.device("cpu")
+    _one_gpu(monkeypatch)
+    assert _device(None) == torch.device("cuda")
+    assert _device("cuda:0") == torch.device("cuda", 0)

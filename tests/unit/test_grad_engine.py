@@ -53,6 +53,11 @@ def test_buckets_are_single_dtype() -> None:
     assert assign_buckets(params, 1.0) == [[2, 0], [1]]
 
 
+def test_buckets_never_mix_reduction_groups() -> None:
+    params = [torch.zeros(4) for _ in range(4)]
+    assert assign_buckets(params, 1.0, ["dp", "edp", "dp", "edp"]) == [[3, 1], [2, 0]]
+
+
 def test_large_parameter_gets_its_own_bucket() -> None:
     params = [torch.zeros(10), torch.zeros(10_000), torch.zeros(10)]
     assert assign_buckets(params, 1 / 1024) == [[2], [1], [0]]
@@ -154,6 +159,28 @@ def test_one_rank_engine_trains_like_plain_pytorch(stage: int | str) -> None:
         torch.testing.assert_close(got, expected, msg=name)
     assert all(p.grad is None for p in model.parameters())
     assert optimizer_state_bytes(optimizers[1]) == optimizer_state_bytes(optimizers[0])
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_parameters_reduced_over_a_group_of_their_own(stage: int) -> None:
+    """Expert weights are reduced over their own group (here a group of one as well): in
+    buckets apart from the rest, and the whole state cannot be gathered onto one rank."""
+    x, y = torch.randn(8, 5), torch.randn(8, 3)
+    reference, model = _mlp(), _mlp()
+    group = dist.new_group([0])
+    own = {"2.weight": group, "2.bias": group}
+    engine = GradientEngine(model.named_parameters(), stage=stage, reduce_groups=own)
+    assert engine.num_buckets == 2
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (reference, model)]
+    engine.attach(optimizers[1])
+    for net, optimizer in zip((reference, model), optimizers, strict=True):
+        nn.functional.mse_loss(net(x), y).backward()
+        optimizer.step()
+    for (name, expected), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, msg=name)
+    with pytest.raises(ValueError, match=r"groups of their own .* sharded checkpoint"):
+        engine.optimizer_state_dict(optimizers[1])
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -261,3 +288,77 @@ def test_sharded_checkpoint_keeps_hyperparameters_as_json(tmp_path) -> None:
     assert TransformerConfig.from_dict(saved["config"]) == config
     with pytest.raises(FileNotFoundError, match=r"no hyper_parameters\.json"):
         read_hparams(tmp_path / "elsewhere")
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_buckets_launch_in_bucket_order_behind_an_incomplete_one() -> None:
+    """A bucket whose parameter got no gradient holds back every bucket after it until the
+    end of backward, so every rank starts the same collectives in the same order; the
+    unused parameter's gradient counts as zero."""
+    model = _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=0, bucket_size_mb=1 / 16384)
+    buckets = engine._buckets
+    assert [entry.name for entry in buckets[0].entries] == ["2.bias"]
+    launched: list[int] = []
+    reduce = engine._scheme.reduce
+    engine._scheme.reduce = lambda b: launched.append(buckets.index(b)) or reduce(b)
+    model[2].bias.requires_grad_(False)  # no gradient for it in this backward
+    model(torch.randn(4, 5)).sum().backward()
+    # The other buckets completed first, in backward; they launched at the end, in order.
+    assert launched == list(range(engine.num_buckets))
+    bias = next(e for e in buckets[0].entries if e.name == "2.bias")
+    assert bias.shard is not None and bias.shard.grad is not None
+    assert not bias.shard.grad.any()
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_launch_starts_a_partitions_buckets_early() -> None:
+    model = _mlp()
+    partition = {"0.weight": "first", "0.bias": "first", "2.weight": "last", "2.bias": "last"}
+    engine = GradientEngine(
+        model.named_parameters(), stage=2, bucket_size_mb=1.0, partition=partition
+    )
+    assert engine.num_buckets == 2  # one per key, though everything fits in one
+    launched = []
+    reduce = engine._scheme.reduce
+    engine._scheme.reduce = lambda b: launched.append(b.entries[0].name) or reduce(b)
+    with engine.defer_reduction():
+        model(torch.randn(4, 5)).sum().backward()
+        assert launched == []
+        engine.launch(list(model[2].parameters()))
+        assert launched == ["2.bias"]
+        with pytest.raises(ValueError, match=r"also holds '0\.bias'"):
+            engine.launch([model[0].weight])
+        with engine.no_sync():
+            engine.launch(list(model[0].parameters()))  # accumulating: nothing yet
+    assert launched == ["2.bias"]
+    engine.finish_grad_sync()
+    assert launched == ["2.bias", "0.bias"]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_gathered_optimizer_state_is_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused AdamW keeps ``step`` as a tensor on the parameters' device: what goes through
+    the object collective, and the gathered state, are CPU copies."""
+    model = _mlp()
+    engine = GradientEngine(model.named_parameters(), stage=1, bucket_size_mb=1 / 16384)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    engine.attach(optimizer)
+    model(torch.randn(4, 5)).sum().backward()
+    optimizer.step()
+    sent: list = []
+    gather = dist.all_gather_object
+
+    def recording(out: list, obj: object, **kwargs: object) -> None:
+        sent.append(obj)
+        gather(out, obj, **kwargs)
+
+    monkeypatch.setattr(dist, "all_gather_object", recording)
+    state = engine.optimizer_state_dict(optimizer)
+    scalars = [v for meta in sent[0].values() for v in meta.scalars.values()]
+    assert len(scalars) == 4 and all(v.device.type == "cpu" for v in scalars)
+    live = {s["step"].data_ptr() for s in optimizer.state.values()}
+    for values in state["state"].values():
+        assert {key: v.device.type for key, v in values.items()} == dict.fromkeys(values, "cpu")
+        assert values["step"].data_ptr() not in live  # a copy: later steps leave it alone
+        assert float(values["step"]) == 1.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -71,8 +73,8 @@ def test_sequence_length_is_checked_only_with_sp() -> None:
 
 
 def test_strategy_rejects_unsupported_degrees_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"expert_parallel=2 is not supported"):
-        HybridParallelStrategy(expert_parallel=2)
+    with pytest.raises(ValueError, match=r"zero_stage=3 \(FSDP2\) cannot be combined with expert"):
+        HybridParallelStrategy(expert_parallel=2, zero_stage=3)
     with pytest.raises(ValueError, match=r"zero_stage=3 \(FSDP2\) cannot be combined"):
         HybridParallelStrategy(pipeline_parallel=2, zero_stage=3)
     with pytest.raises(ValueError, match=r"microbatches to be a multiple of pipeline_parallel=2"):
@@ -90,6 +92,7 @@ def test_pipeline_defaults() -> None:
     assert interleaved.pipeline_options.schedule == "interleaved"
     wire = HybridParallelStrategy(wire_dtype="bfloat16").pipeline_options.wire_dtype
     assert wire == torch.bfloat16
+    assert options.wire_dtype is None  # the training compute dtype, known at setup
 
 
 @pytest.mark.parametrize("family", [gpt2, llama3])
@@ -146,3 +149,43 @@ def test_pipeline_needs_a_staged_model() -> None:
         check_contract(nn.Linear(2, 2), StagedModel, "pipeline_parallel=2")
     model = Transformer(TransformerConfig.from_name("gpt2-debug", n_layer=1, vocab_size=64))
     assert isinstance(model, StagedModel)
+
+
+# ---- expert parallelism: refused before launch, naming the value and a fix that works -----
+
+
+def test_expert_parallel_must_divide_the_data_parallel_ranks() -> None:
+    with pytest.raises(
+        ValueError, match=r"expert_parallel=3 must divide data_parallel=4.*\[1, 2, 4\]"
+    ):
+        _strategy_on(4, expert_parallel=3)
+
+
+def test_expert_parallel_must_divide_the_routed_experts() -> None:
+    strategy = _strategy_on(6, expert_parallel=3)  # dp = 6: ep divides it, not the 8 experts
+    message = r"n_routed_experts=8 not divisible by expert_parallel=3 .* among \[1, 2\]"
+    with pytest.raises(ValueError, match=message):
+        strategy.check_model(CausalLM("deepseek-v3-debug"))
+    _strategy_on(4, expert_parallel=2).check_model(CausalLM("deepseek-v3-debug"))
+
+
+def test_expert_parallel_needs_experts() -> None:
+    message = r"llama3-debug: expert_parallel=2 splits .* has none; use expert_parallel=1"
+    with pytest.raises(ValueError, match=message):
+        _strategy_on(2, expert_parallel=2).check_model(CausalLM("llama3-debug"))
+    dense = TransformerConfig.from_name(
+        "deepseek-v3-debug", moe=dataclasses.replace(
+            TransformerConfig.from_name("deepseek-v3-debug").moe, first_k_dense=4
+        )
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"has none"):
+        ParallelDims(2, expert_parallel=2).validate_model(dense)
+    with pytest.raises(TypeError, match=r"expert_parallel=2\) needs MNISTClassifier"):
+        _strategy_on(2, expert_parallel=2).check_model(MNISTClassifier())
+
+
+def test_sequence_parallel_takes_the_sequence_wise_balance_loss() -> None:
+    # Each tp rank's loss is its shard's part of the sequence's (tests/distributed/
+    # test_expert_parallel.py checks the sum against one process).
+    config = TransformerConfig.from_name("deepseek-v3-debug", vocab_size=64)
+    ParallelDims(4, tensor_parallel=2, sequence_parallel=True).validate_model(config)

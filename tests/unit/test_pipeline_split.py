@@ -7,6 +7,8 @@ import torch
 
 from plugintrain.model_zoo import Transformer, TransformerConfig
 from plugintrain.strategies.pipeline import check_layers, split_model, stage_layer_keys
+from plugintrain.strategies.pipeline_runtime import TIED, chunk_partition
+from plugintrain.strategies.tied import TiedParameters
 
 
 def _model(preset: str) -> Transformer:
@@ -76,3 +78,22 @@ def test_uneven_split_gives_the_last_stage_fewer_layers() -> None:
 def test_bad_layers_per_stage_are_refused(counts: list[int]) -> None:
     with pytest.raises(ValueError, match=r"layers_per_stage=.* summing to n_layer=4"):
         check_layers(4, 2, 1, counts)
+
+
+def test_chunk_partition_follows_the_chunks_and_sets_tied_weights_apart() -> None:
+    """The gradient engine's buckets follow it, so a chunk reduces once it is done."""
+    module = torch.nn.Module()
+    module.model = _model("gpt2-debug")  # its head is tied to the embedding
+    stages = split_model(module.model, rank=0, pp=2, vpp=2)
+    tied = TiedParameters.of(module)
+    partition = chunk_partition(module, stages, tied)
+    assert partition["model.tok_embeddings.weight"] == TIED
+    assert {partition[n] for n in partition if n.startswith("model.layers.0.")} == {0}
+    assert {partition[n] for n in partition if n.startswith("model.layers.2.")} == {1}
+    last = torch.nn.Module()
+    last.model = _model("gpt2-debug")
+    stages = split_model(last.model, rank=1, pp=2, vpp=2)
+    partition = chunk_partition(last, stages, TiedParameters.of(last))
+    assert partition["model.output.weight"] == TIED
+    assert partition["model.norm.weight"] == 1  # the last stage's chunk runs the head
+    assert {partition[n] for n in partition if n.startswith("model.layers.1.")} == {0}

@@ -104,3 +104,43 @@ def test_fp16_gradients_are_recorded_unscaled(tmp_path) -> None:
         assert fp32["name"] == fp16["name"]
         # fp16 rounding moves them by ~1%; an undivided scale would be 4096x.
         assert math.isclose(fp32["absmax"], fp16["absmax"], rel_tol=5e-2), fp32["name"]
+
+
+def test_statistics_are_exact_over_chunks(monkeypatch) -> None:
+    from plugintrain.callbacks import precision_check
+
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 3 + 50
+    whole = tensor_stats(values)
+    monkeypatch.setattr(precision_check, "_CHUNK", 64)  # 16 chunks, the last one ragged
+    chunked = tensor_stats(values)
+    reference = values.double()
+    assert math.isclose(chunked["mean"], reference.mean().item(), rel_tol=1e-12)
+    assert math.isclose(chunked["std"], reference.std(correction=0).item(), rel_tol=1e-12)
+    assert chunked["absmax"] == reference.abs().max().item()
+    assert chunked["hash"] == whole["hash"]  # the fingerprint does not depend on chunking
+
+
+def test_no_whole_fp64_copy_exists(monkeypatch) -> None:
+    from plugintrain.callbacks import precision_check
+    from plugintrain.memory import LiveTensorMemory
+
+    values = torch.randn(4096, dtype=torch.bfloat16)
+    monkeypatch.setattr(precision_check, "_CHUNK", 64)
+    with LiveTensorMemory() as memory:
+        memory.track(values)
+        tensor_stats(values)
+    # The bf16 tensor plus a few chunk-sized temporaries: far below one fp64 copy (32 KiB).
+    assert memory.peak_bytes - values.numel() * 2 < values.numel() * 8 / 4
+
+
+def test_fingerprint_sees_every_byte_and_position() -> None:
+    base = torch.arange(64, dtype=torch.float32)
+    digest = tensor_stats(base)["hash"]
+    assert len(digest) == 16 and digest == tensor_stats(base.clone())["hash"]
+    changed = base.clone()
+    changed[37] = torch.nextafter(changed[37], torch.tensor(100.0))  # the last bit of one value
+    swapped = base.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    as_bf16 = base.to(torch.bfloat16)  # same values, other bytes
+    others = {tensor_stats(t)["hash"] for t in (changed, swapped, as_bf16, base.flip(0))}
+    assert digest not in others and len(others) == 4

@@ -18,13 +18,14 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain.distributed import default_gradient_layout
+from plugintrain.distributed import AutocastSwitch, default_gradient_layout
 from plugintrain.precision_plugins import (
     PRECISION_PLUGINS,
     BF16MixedPrecision,
     DynamicLossScaler,
     FP16MixedPrecision,
     clip_grads_by_global_norm_,
+    precision_dtypes,
     precision_plugin_from_name,
 )
 
@@ -115,6 +116,26 @@ def test_registry_names_and_aliases() -> None:
     )
     with pytest.raises(ValueError, match="'64-true'"):
         precision_plugin_from_name("64-true")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_precision_dtypes_match_what_training_computes_in(name: str) -> None:
+    """What strategies read (the pipeline's wire and inputs, FSDP2's policy) is what the
+    plugin makes a step do (``EXPECTED``), and Lightning's own plugins read the same."""
+    matmul, weights, _ = EXPECTED[name]
+    dtypes = precision_dtypes(precision_plugin_from_name(name))
+    assert (dtypes.compute, dtypes.params, dtypes.mixed) == (matmul, weights, matmul != weights)
+    if "mixed" in name:
+        assert precision_dtypes(MixedPrecision(name, "cpu")) == dtypes
+
+
+def test_autocast_can_be_left_to_the_strategy() -> None:
+    plugin = BF16MixedPrecision()
+    assert isinstance(plugin, AutocastSwitch) and plugin.autocast
+    plugin.autocast = False  # FSDP2 gathers bf16 weights: no autocast on top
+    with plugin.forward_context():
+        assert not torch.is_autocast_enabled("cpu")
+        assert torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype == torch.float32
 
 
 def test_lightning_refuses_plugin_and_precision_flag_together() -> None:

@@ -6,9 +6,11 @@ import json
 import shlex
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import ByteLevelBPETokenizer
 
 from plugintrain.cli import main
@@ -201,6 +203,16 @@ def test_fashion_copies_gzipped_idx(tmp_path, monkeypatch):
     dm = MNISTDataModule(str(out), batch_size=5, val_fraction=0.2)
     dm.setup("fit")
     assert (len(dm.train_set), len(dm.val_set)) == (16, 4)
+
+
+@pytest.mark.parametrize(("device", "pinned"), [("cpu", False), ("cuda", True)])
+def test_mnist_batches_are_pinned_only_for_a_cuda_device(tmp_path, device, pinned):
+    _fake_fashion(tmp_path)  # leaves the plain IDX files in tmp_path
+    dm = MNISTDataModule(str(tmp_path), batch_size=5, val_fraction=0.2)
+    dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+    dm.setup("fit")
+    assert dm.train_dataloader().pin_memory is pinned
+    assert dm.val_dataloader().pin_memory is pinned
 
 
 def test_fashion_files_other_than_debian_s_are_refused_before_writing(tmp_path):

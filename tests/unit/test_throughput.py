@@ -1,19 +1,25 @@
-"""TokenThroughputMonitor counts data-parallel replicas, not model-parallel ranks, and
-divides by dense peaks; the training FLOPs per token match torch's FLOP counter."""
+"""TokenThroughputMonitor counts data-parallel replicas, not model-parallel ranks, divides
+by dense peaks, and synchronizes the device only on the batches it logs, with rates still
+equal to the tokens between logged points over the time between them; the training FLOPs
+per token match torch's FLOP counter."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import throughput_monitor
+from lightning.pytorch.callbacks import Callback, throughput_monitor
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from plugintrain.callbacks import TokenThroughputMonitor
-from plugintrain.callbacks.throughput import _tokens_in_batch
+from plugintrain.callbacks import TokenThroughputMonitor, throughput
+from plugintrain.callbacks.throughput import _timed_points, _tokens_in_batch
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.peak_flops import dense_peak_flops
 from plugintrain.precision_plugins import BF16MixedPrecision, FP32Precision
@@ -27,6 +33,7 @@ def _trainer(world_size: int, sampler: dict | None) -> SimpleNamespace:
         precision_plugin=FP32Precision(),
         strategy=strategy,
         world_size=world_size,
+        log_every_n_steps=50,
         enable_validation=False,
         state=SimpleNamespace(stage=RunningStage.TRAINING),
     )
@@ -124,3 +131,149 @@ def test_training_flops_per_token_match_torch_flop_counter(preset: str, seq_len:
         module.loss_fn(module(tokens), tokens).backward()
     counted = counter.get_total_flops() / tokens.numel()
     assert counted == pytest.approx(config.flops_per_token(seq_len), rel=0.05)
+
+
+# ---- synchronizing only on logged batches ----------------------------------------------
+
+TOKENS_PER_BATCH = 2 * 8  # (B, T) token ids
+FLOPS_PER_BATCH = 1000
+TRAIN_SECONDS = 1.0  # a training batch on the fake clock
+VAL_SECONDS = 50.0  # a validation batch: must not count as training time
+
+
+class _TokenModel(L.LightningModule):
+    """The smallest module with token batches and ``flops_per_batch``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(16, 4)
+        self.flops_per_batch = FLOPS_PER_BATCH
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        return self.embedding(batch[0]).square().mean()
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        self.embedding(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _FakeClock(Callback):
+    """``time.perf_counter`` that advances by a known time per batch: the true rates are
+    known whenever the monitor reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.train_batches = 0
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self.now += TRAIN_SECONDS
+        self.train_batches += 1
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        if not trainer.sanity_checking:
+            self.now += VAL_SECONDS
+
+
+class _Metrics(Logger):
+    """Keeps what is logged, by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *_: Any, **__: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+def _fit_with_fake_clock(
+    monkeypatch: pytest.MonkeyPatch, accumulate: int
+) -> tuple[list[int], list[dict[str, float]], int]:
+    """Fit 12 optimizer steps, logging every 3 and validating every 6; returns the training
+    batches started at each synchronization, the training throughput records, and the
+    batches run."""
+    clock, metrics, synced = _FakeClock(), _Metrics(), []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(
+        throughput, "_synchronize", lambda device: synced.append(clock.train_batches)
+    )
+    tokens = torch.randint(0, 16, (64, 8), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(tokens, tokens), batch_size=2
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        accumulate_grad_batches=accumulate,
+        log_every_n_steps=3,
+        val_check_interval=6 * accumulate,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        callbacks=[TokenThroughputMonitor(window_size=2), clock],
+        logger=metrics,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(_TokenModel(), loader, loader)
+    records = [m for _, m in metrics.logged if "throughput/tokens" in m]
+    return synced, records, clock.train_batches
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_synchronizes_only_on_logged_batches(
+    monkeypatch: pytest.MonkeyPatch, accumulate: int
+) -> None:
+    synced, records, batches = _fit_with_fake_clock(monkeypatch, accumulate)
+    logged_batches = [int(r["throughput/batches"]) for r in records]
+    # Every 3rd optimizer step is logged: batches 3, 6, 9, 12 (x accumulate).
+    assert logged_batches == [3 * accumulate * k for k in (1, 2, 3, 4)]
+    assert batches == 12 * accumulate
+    # A synchronization for each logged batch, plus one as each validation starts and
+    # ends (after steps 6 and 12): 8 for 12 steps, not one per batch.
+    validations = [6 * accumulate, 12 * accumulate]
+    expected = sorted([*logged_batches, *validations, *validations])
+    assert synced == expected
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_rates_are_over_the_span_between_logged_batches(
+    monkeypatch: pytest.MonkeyPatch, accumulate: int
+) -> None:
+    _, records, _ = _fit_with_fake_clock(monkeypatch, accumulate)
+    rated = [r for r in records if "throughput/device/tokens_per_sec" in r]
+    assert len(rated) == 3  # from the second logged point on (the window holds two)
+    for record in rated:
+        # Validation batches (50 s each on the clock) are not in the training time.
+        assert record["throughput/device/tokens_per_sec"] == TOKENS_PER_BATCH / TRAIN_SECONDS
+        assert record["throughput/device/batches_per_sec"] == 1 / TRAIN_SECONDS
+        assert record["throughput/device/flops_per_sec"] == FLOPS_PER_BATCH / TRAIN_SECONDS
+    assert records[-1]["throughput/tokens"] == 12 * accumulate * TOKENS_PER_BATCH
+
+
+def test_window_counts_logged_points() -> None:
+    assert _timed_points(2, 1) == 2  # Lightning's window of 2 when logging every step
+    assert _timed_points(20, 1) == 20
+    assert _timed_points(20, 50) == 2  # one logging interval already spans 50 steps
+    assert _timed_points(20, 5) == 5  # four intervals: 20 steps >= 19
+    assert _timed_points(20, 0) == 2  # nothing logged
+
+
+def test_synchronizes_cuda_devices_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", calls.append)
+    throughput._synchronize(torch.device("cpu"))
+    throughput._synchronize(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)]

@@ -24,10 +24,16 @@ def data_dir(tmp_path):
     return tmp_path
 
 
+def _fake_trainer(dp: dict | None = None, device: str = "cpu") -> SimpleNamespace:
+    """A stand-in trainer whose strategy reports a data-parallel layout and its device."""
+    strategy = SimpleNamespace(distributed_sampler_kwargs=dp, root_device=torch.device(device))
+    return SimpleNamespace(strategy=strategy)
+
+
 def _datamodule(data_dir, dp=None, **kwargs):
     dm = TokenDataModule(data_dir=str(data_dir), seq_len=T, batch_size=B, **kwargs)
-    if dp is not None:  # a stand-in trainer whose strategy reports a data-parallel layout
-        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(distributed_sampler_kwargs=dp))
+    if dp is not None:
+        dm.trainer = _fake_trainer(dp)
     dm.setup("fit")
     return dm
 
@@ -72,6 +78,30 @@ def test_tensor_parallel_peers_see_the_same_batches(data_dir):
     layout = {"num_replicas": 2, "rank": 1}
     assert _epoch(_datamodule(data_dir, dp=layout)) == _epoch(_datamodule(data_dir, dp=layout))
     assert _epoch(_datamodule(data_dir, dp=None)) == _epoch(_datamodule(data_dir))
+
+
+@pytest.mark.parametrize(("device", "pinned"), [("cpu", False), ("cuda", True)])
+def test_batches_are_pinned_only_for_a_cuda_device(data_dir, device, pinned):
+    """Pinned host memory lets the copy to the GPU run asynchronously (Lightning's transfer
+    is non-blocking for CUDA, see below); a CPU run has no copy to overlap."""
+    dm = _datamodule(data_dir)
+    assert not dm.train_dataloader().pin_memory  # outside a trainer
+    dm.trainer = _fake_trainer({"num_replicas": 1, "rank": 0}, device)
+    assert dm.train_dataloader().pin_memory is pinned
+    assert dm.val_dataloader().pin_memory is pinned
+
+
+def test_lightning_copies_batches_to_cuda_without_blocking(monkeypatch):
+    """The transfer that pinning serves: Lightning's default batch transfer passes
+    ``non_blocking=True`` for CUDA (and not for the CPU), so nothing needs overriding."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: calls.append(k) or self)
+    batch = (torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long))
+    move_data_to_device(batch, torch.device("cuda", 0))
+    move_data_to_device(batch, torch.device("cpu"))
+    assert calls == [{"non_blocking": True}] * 2 + [{}] * 2
 
 
 def test_out_of_vocab_token_raises(data_dir):

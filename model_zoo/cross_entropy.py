@@ -1,0 +1,103 @@
+"""Mean token cross-entropy that never holds the logits in fp32 all at once.
+
+``F.cross_entropy(logits.float().flatten(0, 1), targets)`` upcasts the whole ``(B, T, V)``
+logits, and autograd keeps the fp32 log-softmax until backward: 16.8 GB each at the
+Llama 3 vocabulary and 32k tokens per step (issue 18). :func:`chunked_cross_entropy`
+walks the tokens in chunks instead. Each chunk is upcast, its loss summed in fp32, and
+its gradient, ``(softmax - one_hot) / N``, is computed right away and stored in one buffer
+in the logits' dtype; backward only scales that buffer in place. The buffer is the
+gradient autograd hands to the LM head anyway, so beyond it only a few fp32 chunks exist.
+Computing the gradient in the forward pass is what Liger Kernel's fused cross-entropy
+does (Hsu et al., 2024), here in plain PyTorch so it runs on any device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+CHUNK_ELEMENTS = 1 << 24
+"""Logits per chunk (a 64 MiB fp32 copy): at Llama 3's 128,256-token vocabulary 130
+tokens, large enough that each chunk's few kernels keep a GPU busy."""
+
+
+def token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """The loss :class:`~plugintrain.model_zoo.CausalLM` trains on (its ``loss_fn``).
+
+    Plain logits go through :func:`chunked_cross_entropy`. Under tensor parallelism the
+    strategy wraps ``loss_fn`` in ``vocab_parallel_loss`` and the logits arrive as
+    DTensors sharded over the vocabulary: they take torch's cross-entropy, whose
+    ``loss_parallel`` rule reduces over the shards (each rank upcasts only its ``V / tp``
+    columns), as before.
+    """
+    if isinstance(logits, DTensor):
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+    return chunked_cross_entropy(logits, targets)
+
+
+def chunked_cross_entropy(
+    logits: Tensor, targets: Tensor, chunk_tokens: int | None = None
+) -> Tensor:
+    """Mean cross-entropy of ``logits`` ``(..., V)`` against ``targets`` ``(...)``, in fp32.
+
+    Equal to ``F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())`` in loss
+    and gradient (to fp32 rounding; the gradient is rounded once to the logits' dtype), but
+    the fp32 copies are one chunk of tokens at a time. Every target must be a token id in
+    ``[0, V)`` (no ``ignore_index``).
+
+    Args:
+        logits: Plain (not DTensor) logits of any floating dtype; the gradient comes back
+            in it.
+        targets: int64 token ids, one per row of ``logits``.
+        chunk_tokens: Tokens per chunk; None: as many as :data:`CHUNK_ELEMENTS` logits.
+
+    Returns:
+        The fp32 scalar loss. Its backward runs once: it scales the stored gradient in
+        place, so a second backward through the same graph (``retain_graph=True``) is
+        refused by autograd's in-place check instead of returning a wrong gradient.
+    """
+    vocab = logits.size(-1)
+    chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // vocab)
+    return _ChunkedCrossEntropy.apply(logits, targets, chunk)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Forward computes the loss and, when the logits need one, their gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, chunk: int) -> Tensor:
+        flat = logits.reshape(-1, logits.size(-1))  # (N, V)
+        flat_targets = targets.reshape(-1)  # (N,)
+        n = flat.size(0)
+        grad = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for start in range(0, n, chunk):
+            rows = slice(start, start + chunk)
+            grad_rows = None if grad is None else grad[rows]
+            total += _chunk_loss(flat[rows], flat_targets[rows], grad_rows, 1.0 / n)
+        if grad is not None:
+            ctx.save_for_backward(grad.view(logits.shape))
+        return total / n
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
+        (grad,) = ctx.saved_tensors
+        # In place: a second logits-sized buffer is what this Function exists to avoid.
+        return grad.mul_(grad_output), None, None
+
+
+def _chunk_loss(logits: Tensor, targets: Tensor, grad: Tensor | None, scale: float) -> Tensor:
+    """Summed fp32 loss of one chunk ``(n, V)``; writes ``scale * d(loss)/d(logits)`` into
+    ``grad`` (in the logits' dtype) unless it is None."""
+    # (n, V) fp32, the one fp32 copy of the chunk (CUDA reads bf16 and writes fp32 at once)
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    loss = -log_probs.gather(1, targets[:, None]).sum()
+    if grad is not None:
+        probs = log_probs.exp_()  # softmax, in the same memory
+        probs.scatter_add_(1, targets[:, None], probs.new_full((probs.size(0), 1), -1.0))
+        torch.mul(probs, scale, out=grad)  # scaled and rounded to the logits' dtype at once
+    return loss
