@@ -16,22 +16,24 @@ from plugintrain.model_zoo.adapters import Plan, apply_plan, renamed
 from plugintrain.model_zoo.config import TransformerConfig, register_preset
 from plugintrain.model_zoo.layers import QK_NORM_PLAN
 
+PRESET_DEFAULTS = dict(
+    family="qwen3",
+    vocab_size=151936,
+    block_size=40960,
+    head_size=128,
+    bias=False,
+    norm="rmsnorm",
+    norm_eps=1e-6,
+    mlp="swiglu",
+    position="rope",
+    rope_theta=1_000_000.0,
+    qk_norm=True,
+)
+"""What every Qwen3 preset shares (the Qwen3-MoE presets too, with their own family)."""
+
 
 def _qwen3(name: str, **sizes: int | bool | str) -> None:
-    defaults = dict(
-        family="qwen3",
-        vocab_size=151936,
-        block_size=40960,
-        head_size=128,
-        bias=False,
-        norm="rmsnorm",
-        norm_eps=1e-6,
-        mlp="swiglu",
-        position="rope",
-        rope_theta=1_000_000.0,
-        qk_norm=True,
-    )
-    register_preset(TransformerConfig(name=name, **(defaults | sizes)))
+    register_preset(TransformerConfig(name=name, **(PRESET_DEFAULTS | sizes)))
 
 
 # Sizes from the published config.json files (Qwen/Qwen3-0.6B, -1.7B, -8B).

@@ -20,20 +20,7 @@ from plugintrain.model_zoo.config import MoEConfig, TransformerConfig, register_
 
 
 def _qwen3_moe(name: str, moe: MoEConfig, **sizes: Any) -> None:
-    defaults = dict(
-        family="qwen3_moe",
-        vocab_size=151936,
-        block_size=40960,
-        head_size=128,
-        bias=False,
-        norm="rmsnorm",
-        norm_eps=1e-6,
-        mlp="swiglu",
-        position="rope",
-        rope_theta=1_000_000.0,
-        qk_norm=True,
-        tie_embeddings=False,
-    )
+    defaults = qwen3.PRESET_DEFAULTS | dict(family="qwen3_moe", tie_embeddings=False)
     register_preset(TransformerConfig(name=name, moe=moe, **(defaults | sizes)))
 
 
