@@ -24,6 +24,10 @@ class Rule:
     """Names of the tensors it is built from, in the order ``build`` takes them."""
     build: Callable[..., Tensor]
     """Pure function of the source tensors (no copies beyond what the layout change needs)."""
+    layout: str = "custom"
+    """How the output lies in its sources, for readers that read a piece of it alone:
+    ``"same"`` (the one source as it is), ``"stack"`` (source ``i`` is row ``i``: a box of
+    the output reads only the sources its rows cover), or ``"custom"`` (build it whole)."""
 
 
 Plan = dict[str, Rule]
@@ -32,7 +36,20 @@ Plan = dict[str, Rule]
 
 def same(name: str) -> Rule:
     """The tensor ``name`` as it is."""
-    return Rule((name,), lambda t: t)
+    return Rule((name,), _identity, "same")
+
+
+def _identity(tensor: Tensor) -> Tensor:
+    return tensor
+
+
+def stacked(names: Sequence[str]) -> Rule:
+    """``names`` stacked along a new leading dimension (one expert per row)."""
+    return Rule(tuple(names), _stack, "stack")
+
+
+def _stack(*tensors: Tensor) -> Tensor:
+    return torch.stack(tensors)
 
 
 def transposed(name: str) -> Rule:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from plugintrain.model_zoo import llama3
-from plugintrain.model_zoo.adapters import Plan, Rule, apply_plan, renamed
+from plugintrain.model_zoo.adapters import Plan, Rule, apply_plan, renamed, stacked
 from plugintrain.model_zoo.config import MLAConfig, MoEConfig, TransformerConfig, register_preset
 
 _ATTENTION = {
@@ -151,10 +151,6 @@ def expert_names(config: TransformerConfig, prefix: str = "mlp") -> dict[str, li
     return names
 
 
-def _stack(*tensors: torch.Tensor) -> torch.Tensor:
-    return torch.stack(tensors)
-
-
 def _expert(index: int) -> Any:
     return lambda stacked: stacked[index]
 
@@ -163,7 +159,7 @@ def stacked_import_plan(config: TransformerConfig, names: dict[str, str], prefix
     """``names`` renamed, plus each stacked expert tensor built from its per-expert ones."""
     plan = renamed(names)
     for ours, theirs in expert_names(config, prefix).items():
-        plan[ours] = Rule(tuple(theirs), _stack)
+        plan[ours] = stacked(theirs)
     return plan
 
 

@@ -474,11 +474,14 @@ def _place(state: dict[str, Any], key: str, slot: Tensor | None, path: Path) -> 
         )
 
 
-def load_dcp(state: dict[str, Any], reader: Any) -> None:
+def load_dcp(state: dict[str, Any], reader: Any, alone: bool = False) -> None:
     """``dcp.load`` with our planner, raising a checkpoint error of ours as itself (DCP
-    wraps every rank's failure into one multi-line ``CheckpointException``)."""
+    wraps every rank's failure into one multi-line ``CheckpointException``).
+
+    ``alone``: this process reads without its peers (no collective), e.g. the tensors of
+    its own pipeline stage, which differ from the other stages' in name and number."""
     try:
-        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=alone)
     except CheckpointException as error:
         for failure in error.failures.values():  # rank -> (exception, traceback)
             cause = failure[0] if isinstance(failure, tuple) else failure

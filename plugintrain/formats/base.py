@@ -4,8 +4,8 @@ A format reader (:class:`TensorReader`) exposes a file's tensors under the names
 layouts of the matching Hugging Face model (the lingua franca: llm.c and GGUF readers
 translate to it), read one at a time from a memory map. :class:`Weights` turns a reader
 into our tensor names through the family's import plan; :func:`load_into` copies them into
-a model that may be a pipeline stage or hold DTensor shards: each rank reads one whole
-tensor at a time and keeps only its own box of it.
+a model that may be a pipeline stage or hold DTensor shards: each rank reads one tensor
+at a time (of stacked experts, only the ones it holds) and keeps only its own box of it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from plugintrain.model_zoo import deepseek_v3, gpt2, llama3, qwen3, qwen3_moe
 from plugintrain.model_zoo.adapters import Plan
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.transformer import Transformer
-from plugintrain.tensor_boxes import local_box, select
+from plugintrain.tensor_boxes import Box, local_box, select
 
 FAMILIES = {
     "gpt2": gpt2,
@@ -103,6 +103,31 @@ class Weights:
         rule = self.plan[name]
         return rule.build(*(self.reader.read(source) for source in rule.sources))
 
+    def read_box(self, name: str, box: Box) -> Tensor:
+        """The ``box`` of our tensor ``name``, reading only the sources it needs where the
+        plan says how the tensor lies in them: a stacked expert tensor's box reads and
+        stacks only the experts whose rows it covers (an expert-parallel rank never holds
+        all of a layer's experts at once); other tensors are built whole (a memory-mapped
+        view where the format allows) and the box is cut from them."""
+        rule = self.plan[name]
+        if rule.layout == "same":
+            return self._source_box(rule.sources[0], box)
+        if rule.layout != "stack":
+            return select(self.read(name), box, (0,) * len(box[0]))
+        (first, *offsets), (rows, *sizes) = box
+        inner = (tuple(offsets), tuple(sizes))
+        out = torch.empty((rows, *sizes), dtype=self.reader.dtype(rule.sources[0]))
+        for row, source in enumerate(rule.sources[first : first + rows]):
+            out[row].copy_(self._source_box(source, inner))
+        return out
+
+    def _source_box(self, source: str, box: Box) -> Tensor:
+        """The ``box`` of the reader's tensor ``source``: read alone where the reader can
+        (a sharded checkpoint), else cut from the whole (a memory-mapped view)."""
+        if hasattr(self.reader, "read_box"):
+            return self.reader.read_box(source, box)
+        return select(self.reader.read(source), box, (0,) * len(box[0]))
+
     def shape(self, name: str) -> tuple[int, ...]:
         """Our tensor ``name``'s shape, worked out on the meta device (nothing is read)."""
         rule = self.plan[name]
@@ -158,8 +183,9 @@ def model_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
 def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | None = None) -> None:
     """Copy ``weights`` into ``model``: a whole :class:`Transformer` of ``config`` (default:
     the file's), a pipeline stage of one, or one holding DTensor shards (tp, FSDP2). Each
-    tensor this rank holds is read whole, once, and only its local box is copied (a tied
-    pair is one tensor, written once). LoRA adapters in ``model`` are left alone.
+    tensor this rank holds is read once and only its local box is copied (a tied pair is
+    one tensor, written once); a stacked expert tensor reads only the experts in the box
+    (:meth:`Weights.read_box`). LoRA adapters in ``model`` are left alone.
 
     Raises:
         WeightFormatError: Before anything is copied, if the file does not hold exactly the
@@ -173,8 +199,7 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
             continue
         seen.add(id(param))
         local, box = local_box(param)
-        full = weights.read(name)
-        local.copy_(select(full, box, (0,) * full.dim()))
+        local.copy_(weights.read_box(name, box))
 
 
 ARCHITECTURE_FIELDS = ("family", "vocab_size", "n_layer", "n_head", "kv_heads", "n_embd",

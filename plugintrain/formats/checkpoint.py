@@ -14,6 +14,7 @@ from plugintrain.checkpoint_files import LIGHTNING_METADATA, load_torch_file
 from plugintrain.formats.base import WeightFormatError
 from plugintrain.lora import RECORD_KEY as LORA_RECORD
 from plugintrain.model_zoo import CausalLM, TransformerConfig
+from plugintrain.tensor_boxes import Box, select
 
 PREFIX = "model."
 """``CausalLM`` holds its transformer as ``self.model``."""
@@ -94,12 +95,22 @@ class CheckpointReader:
         """Tensor ``name`` (only its own bytes are read)."""
         if self._file is not None:
             return self._file[name]
-        from plugintrain.strategies.checkpoint import load_dcp
+        shape = self._shapes[name][0]
+        return self.read_box(name, ((0,) * len(shape), shape))
+
+    def read_box(self, name: str, box: Box) -> Tensor:
+        """The ``box`` of tensor ``name``: of a sharded checkpoint only the saved chunks
+        that overlap it are read (an expert-parallel rank's experts, a tp rank's rows).
+        Each process reads on its own, so ranks may read different tensors."""
+        if self._file is not None:
+            return select(self._file[name], box, (0,) * len(box[0]))
+        from plugintrain.strategies.checkpoint import ShardBoxes, load_dcp
 
         shape, dtype = self._shapes[name]
-        state = {"state_dict": {f"{PREFIX}{name}": torch.empty(shape, dtype=dtype)}}
-        load_dcp(state, self._dcp)
-        return state["state_dict"][f"{PREFIX}{name}"]
+        out = torch.empty(box[1], dtype=dtype)
+        wanted = ShardBoxes(torch.Size(shape), [(torch.Size(box[0]), out)])
+        load_dcp({"state_dict": {f"{PREFIX}{name}": wanted}}, self._dcp, alone=True)
+        return out
 
 
 class MergedAdapterReader:

@@ -156,9 +156,18 @@ def write_hf(
     plan = family.hf_export_plan(weights.config)
     shapes = {name: _planned_shape(weights, rule) for name, rule in plan.items()}
 
+    last: dict[str, Tensor] = {}  # the source read last: one stacked expert tensor feeds
+    # its experts' consecutive outputs, so it is read once, not once per expert
+
     def read(name: str) -> Tensor:
         rule = plan[name]
-        return rule.build(*(weights.read(source) for source in rule.sources))
+        return rule.build(*(source_of(source) for source in rule.sources))
+
+    def source_of(source: str) -> Tensor:
+        if source not in last:
+            last.clear()
+            last[source] = weights.read(source)
+        return last[source]
 
     width = torch.empty((), dtype=dtype).element_size()
     nbytes = {name: math.prod(shape) * width for name, shape in shapes.items()}

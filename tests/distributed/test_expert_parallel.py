@@ -262,10 +262,7 @@ def _fit(
 
 
 def _lightning_runs(root: Path, rank: int) -> dict[str, Any]:
-    pipeline = HybridParallelStrategy(
-        pipeline_parallel=2, expert_parallel=2, zero_stage=1, microbatches=2,
-        layers_per_stage=[2, 1],
-    )  # fmt: skip
+    pipeline = _pipeline()
     # Mesh (pp, edp, ep): the two dp replicas of a stage are its two expert ranks.
     ep_pp = _fit(pipeline, dp=2, dp_rank=rank % 2, save=root / "ep2xpp2")
     dp4 = HybridParallelStrategy(zero_stage=2)  # ep = 1
@@ -273,22 +270,31 @@ def _lightning_runs(root: Path, rank: int) -> dict[str, Any]:
     return {
         "ep2xpp2": ep_pp,
         "dp4_from_ep2xpp2": resumed,
-        "pretrained_ep2": _pretrained(root / "ep2xpp2"),
+        "pretrained_ep2": _pretrained(root / "ep2xpp2", HybridParallelStrategy(expert_parallel=2)),
+        "pretrained_ep2_pp2": _pretrained(root / "ep2xpp2", _pipeline()),
     }
 
 
-def _pretrained(path: Path) -> dict[str, Any]:
-    """The ep2 x pp2 checkpoint as the pretrained weights of a dp4 x ep2 model (built on
-    the meta device, its experts sharded, then loaded one whole tensor at a time)."""
+def _pipeline() -> HybridParallelStrategy:
+    return HybridParallelStrategy(
+        pipeline_parallel=2, expert_parallel=2, zero_stage=1, microbatches=2,
+        layers_per_stage=[2, 1],
+    )  # fmt: skip
+
+
+def _pretrained(path: Path, strategy: HybridParallelStrategy) -> dict[str, Any]:
+    """The ep2 x pp2 checkpoint as the pretrained weights of a model built on the meta
+    device, its experts sharded, then loaded box by box: each rank reads only the tensors
+    its stage holds, on its own (stages read different tensors, so no collective)."""
     module = CausalLM(_config(), weights=str(path))
     trainer = L.Trainer(
-        accelerator="cpu", devices=4, strategy=HybridParallelStrategy(expert_parallel=2),
+        accelerator="cpu", devices=4, strategy=strategy,
         plugins=[FP32Precision()], logger=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False,
     )  # fmt: skip
     x, y = _batches()[0]
     trainer.validate(module, DataLoader(TensorDataset(x, y), batch_size=1), verbose=False)
-    experts = module.model.layers["1"].feed_forward.experts.w1
+    experts = next(p for n, p in module.named_parameters() if n.endswith("experts.w1"))
     biases = {n: b.clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}
     return {"params": full_params(module), "biases": biases, "local": experts.to_local().shape}
 
@@ -394,13 +400,19 @@ def test_sharded_checkpoint_reads_whole_in_one_process(
             torch.testing.assert_close(state[name][key], values[key], rtol=1e-4, atol=1e-7)
 
 
-def test_pretrained_weights_load_into_expert_shards(ranks: dict, reference_fit: dict) -> None:
+@pytest.mark.parametrize("layout", ["pretrained_ep2", "pretrained_ep2_pp2"])
+def test_pretrained_weights_load_into_expert_shards(
+    ranks: dict, reference_fit: dict, layout: str
+) -> None:
     expected = reference_fit["snapshot"]["weights"]
+    loaded = set()
     for rank in ranks[4]:
-        got = rank["pretrained_ep2"]
+        got = rank[layout]
         assert got["local"][0] == _config().moe.n_routed_experts // 2  # its own experts only
         for name, value in {**got["params"], **got["biases"]}.items():
             torch.testing.assert_close(value, expected[name], **TOL, msg=name)
+        loaded |= set(got["params"])
+    assert loaded == set(reference_fit["params"])  # the stages hold the whole model
 
 
 def test_dp_resumes_the_expert_parallel_checkpoint(ranks: dict, reference_fit: dict) -> None:

@@ -25,6 +25,8 @@ from plugintrain.cli import main
 from plugintrain.data import write_token_bin
 from plugintrain.formats import WeightFormatError, convert, load_into, open_weights
 from plugintrain.formats.base import ARCHITECTURE_FIELDS
+from plugintrain.formats.hf import write_hf
+from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import (
     CausalLM,
     MLAConfig,
@@ -34,6 +36,7 @@ from plugintrain.model_zoo import (
     deepseek_v3,
     qwen3_moe,
 )
+from plugintrain.tensor_boxes import select
 
 from _hf_models import hub_state_dict, randomize_
 
@@ -199,6 +202,37 @@ def test_converted_directory_loads_in_transformers(variant: str, tmp_path: Path)
             assert torch.equal(
                 back.mlp.gate.e_score_correction_bias, theirs.mlp.gate.e_score_correction_bias
             )
+
+
+def test_an_expert_shard_reads_only_its_experts(tmp_path: Path) -> None:
+    """What an expert-parallel rank loads at ep=4: the box of a stacked expert tensor (2 of
+    8 experts) equals that box of the whole stack, and reading it holds its own rows plus one
+    expert's source at the peak, measured by a mode that sees every tensor the read makes."""
+    _hf_model(_deepseek()).save_pretrained(tmp_path)
+    weights = open_weights(tmp_path)
+    name = "layers.1.feed_forward.experts.w1"
+    with LiveTensorMemory() as memory:
+        whole = weights.read(name)
+    assert memory.peak_bytes >= whole.nbytes  # the mode sees what a whole read makes
+    experts = whole.shape[0]
+    for rank in range(4):
+        box = ((rank * experts // 4, 0, 0), (experts // 4, *whole.shape[1:]))
+        with LiveTensorMemory() as memory:
+            part = weights.read_box(name, box)
+        assert torch.equal(part, select(whole, box, (0, 0, 0)))
+        assert memory.peak_bytes <= whole.nbytes // 4 + whole.nbytes // experts
+
+
+def test_export_reads_each_stacked_expert_tensor_once(tmp_path: Path) -> None:
+    """Writing the Hub's one-tensor-per-expert layout reads each of our stacked tensors once
+    (not once per expert: a whole DeepSeek-V3 layer's stack is gigabytes)."""
+    _hf_model(_deepseek()).save_pretrained(tmp_path / "hf")
+    weights = open_weights(tmp_path / "hf")
+    reads: list[str] = []
+    whole_read = weights.read
+    weights.read = lambda name: reads.append(name) or whole_read(name)  # type: ignore[method-assign]
+    write_hf(weights, tmp_path / "out", torch.float32)
+    assert sorted(reads) == sorted(weights.names())
 
 
 def test_a_config_that_routes_otherwise_is_refused_for_the_weights(tmp_path: Path) -> None:

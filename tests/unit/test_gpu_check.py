@@ -38,8 +38,15 @@ def test_without_cuda_it_is_a_dry_run_that_says_so(monkeypatch, tmp_path: Path) 
 
 
 def test_the_make_target_runs_the_module() -> None:
+    # Under `make test` this runs as a sub-make, which would print its directory.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     recipe = subprocess.run(
-        ["make", "-n", "gpu-check"], cwd=REPO, capture_output=True, text=True, check=True
+        ["make", "--no-print-directory", "-n", "gpu-check"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.splitlines()
     assert recipe[-1] == ".venv/bin/python -m plugintrain.tools.gpu_check"
 
