@@ -34,8 +34,13 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two worker processes (pytest-xdist), each test file kept on one so its fixtures are made
+# once: a single-process CLI run leaves a core idle, the other worker fills it. More cores:
+# make test TEST_WORKERS=4 (each worker may start up to 8 ranks at once).
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 format: setup
 	$(BIN)/ruff format .

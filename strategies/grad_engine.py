@@ -799,6 +799,8 @@ class GradientEngine:
         partition: Mapping[str, Hashable] | None = None,
     ) -> None:
         validate_engine_args(stage, bucket_size_mb)
+        named_params = list(named_params)
+        _check_named(reduce_groups or {}, {name for name, _ in named_params})
         named = [(name, param) for name, param in named_params if param.requires_grad]
         if not named:
             raise ValueError("The gradient engine got no parameters that require grad.")
@@ -1019,6 +1021,18 @@ class GradientEngine:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+
+
+def _check_named(reduce_groups: Mapping[str, dist.ProcessGroup], names: set[str]) -> None:
+    """Raise unless every name given a group of its own is one of the parameters: a name
+    spelled otherwise (another prefix) would silently reduce over the whole dp group."""
+    unknown = sorted(set(reduce_groups) - names)
+    if unknown:
+        raise ValueError(
+            f"reduce_groups names {len(unknown)} tensors that are not among the engine's"
+            f" parameters ({', '.join(unknown[:3])}); name them as the module's"
+            " named_parameters() does."
+        )
 
 
 def _build_buckets(

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launch_env import reset_launch_environment
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
@@ -18,6 +19,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """Run ``python -m plugintrain ARGS`` in a fresh process; fail with its output unless it
     exits with ``exit_code``."""
+    reset_launch_environment()  # a fixture may have trained in this process just before
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "plugintrain", *args],

@@ -1,10 +1,43 @@
-"""Fixtures for end-to-end tests: real data, prepared once per test session."""
+"""Fixtures for end-to-end tests: real data and a reference run, made once per test session.
+
+Under ``pytest -n N`` (pytest-xdist, as ``make test`` runs) a session is N worker
+processes; :func:`made_once` lets them share one copy of each fixture's directory (the
+first worker to ask makes it while the others wait on a file lock) instead of making it
+N times.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+
+def made_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]
+) -> Path:
+    """The directory ``name``, filled by ``make`` once per test session, whichever worker
+    asks first (a failed ``make`` leaves nothing behind, so the next one retries)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base directories share this parent
+    out = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not (out / ".done").is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            try:
+                make(out)
+            except BaseException:
+                shutil.rmtree(out, ignore_errors=True)
+                raise
+            (out / ".done").touch()
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -12,9 +45,9 @@ def shakespeare_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Shakespeare tokenized with GPT-2 BPE, prepared once per test session."""
     from plugintrain.data import prepare_shakespeare
 
-    out = tmp_path_factory.mktemp("shakespeare_gpt2")
-    prepare_shakespeare(out, tokenizer="gpt2")
-    return out
+    return made_once(
+        tmp_path_factory, "shakespeare_gpt2", lambda out: prepare_shakespeare(out, "gpt2")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -22,9 +55,9 @@ def shakespeare_llama3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Shakespeare tokenized with the Llama 3 tokenizer, prepared once per test session."""
     from plugintrain.data import prepare_shakespeare
 
-    out = tmp_path_factory.mktemp("shakespeare_llama3")
-    prepare_shakespeare(out, tokenizer="llama3")
-    return out
+    return made_once(
+        tmp_path_factory, "shakespeare_llama3", lambda out: prepare_shakespeare(out, "llama3")
+    )
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +65,7 @@ def mnist_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 5,000 real MNIST digits as IDX files, prepared once per test session."""
     from plugintrain.data import prepare_mnist
 
-    out = tmp_path_factory.mktemp("mnist")
-    prepare_mnist(out)
-    return out
+    return made_once(tmp_path_factory, "mnist", prepare_mnist)
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +77,15 @@ def uninterrupted_llama3_run(
     directory (``epoch=0-step=<n>.ckpt`` files), shared by every test that needs it."""
     from kill_during_save import NAME, STEPS, save_events
 
-    work = tmp_path_factory.mktemp("uninterrupted")
-    losses, _ = save_events(shakespeare_llama3, work, "single", "--checkpoint.save_top_k=-1")
-    assert sorted(losses) == list(range(STEPS))
+    def run(work: Path) -> None:
+        losses, _ = save_events(shakespeare_llama3, work, "single", "--checkpoint.save_top_k=-1")
+        assert sorted(losses) == list(range(STEPS))
+        (work / "losses.json").write_text(json.dumps(losses))
+
+    work = made_once(tmp_path_factory, "uninterrupted", run)
+    losses = {
+        int(step): loss for step, loss in json.loads((work / "losses.json").read_text()).items()
+    }
     return losses, work / "single_reference" / NAME / "checkpoints"
 
 

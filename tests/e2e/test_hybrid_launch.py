@@ -1,10 +1,10 @@
 """End to end: the hybrid recipe (dp=2 x tp=2 with SP and ZeRO-1) through the real CLI.
 
-Launches of the same recipe on 4 CPU processes: ``--trainer.devices 4`` on one machine
-(uninterrupted, keeping every checkpoint), a simulated two-node ``torchrun`` (two
-commands, ``--nnodes 2 --node_rank 0|1``, 2 processes each, c10d rendezvous on
-127.0.0.1), and a resume of the first run's step-2 DCP checkpoint with compiled blocks and
-selective recomputation: losses must agree across all of them.
+Launches of the same recipe: ``--trainer.devices 4`` on one machine (uninterrupted,
+keeping every checkpoint), a simulated two-node ``torchrun`` (two commands, ``--nnodes 2
+--node_rank 0|1``, 2 processes each, c10d rendezvous on 127.0.0.1), and a resume of the
+first run's step-2 DCP checkpoint on tp2 alone with compiled blocks and selective
+recomputation: losses must agree across all of them.
 A single-process fit on the same global batches must end with the same weights.
 """
 
@@ -107,14 +107,17 @@ def test_weights_match_single_process_fit(
 def test_compiled_resume_with_selective_recompute_equals_uninterrupted_run(
     single_node: Path, shakespeare_llama3: Path, tmp_path: Path
 ) -> None:
-    """The step-2 checkpoint resumed with ``compile: true`` (inductor's C++ backend on CPU)
-    and selective recomputation, after tp + SP and before ZeRO-1, logs the uninterrupted
-    eager run's losses: step 2 checks the restored weights through the compiled forward,
-    step 3 the compiled backward and the restored optimizer state, LR schedule and data
-    position. One launch checks both: 4 processes start once, and each compiles once."""
+    """The dp2 x tp2 run's step-2 checkpoint resumed on tp2 alone (the same global batch,
+    one replica) with ``compile: true`` (inductor's C++ backend on CPU) and selective
+    recomputation, after tp + SP and before ZeRO-1, logs the uninterrupted eager run's
+    losses: step 2 checks the restored weights through the compiled forward, step 3 the
+    compiled backward and the restored optimizer state, LR schedule and data position.
+    One launch checks both: 2 processes start once, and each compiles once."""
     ckpt = single_node / NAME / "checkpoints" / "epoch=0-step=2.ckpt"
     extra = (
         f"--ckpt_path={ckpt}",
+        "--trainer.devices=2",
+        "--data.init_args.batch_size=4",
         "--trainer.strategy.init_args.compile=true",
         "--trainer.strategy.init_args.activation_checkpointing=selective",
     )

@@ -184,6 +184,14 @@ def test_parameters_reduced_over_a_group_of_their_own(stage: int) -> None:
 
 
 @pytest.mark.usefixtures("world_of_one")
+def test_a_group_for_a_name_the_model_lacks_is_refused() -> None:
+    """A name spelled with another prefix would otherwise reduce over the whole dp group."""
+    own = {"model.2.weight": dist.new_group([0])}
+    with pytest.raises(ValueError, match=r"1 tensors .* \(model\.2\.weight\)"):
+        GradientEngine(_mlp().named_parameters(), stage=1, reduce_groups=own)
+
+
+@pytest.mark.usefixtures("world_of_one")
 def test_state_created_before_attach_is_kept() -> None:
     # Adagrad creates its state eagerly, keyed by the original parameters.
     model = _mlp()
