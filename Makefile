@@ -34,9 +34,10 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Two worker processes (pytest-xdist), each test file kept on one so its fixtures are made
-# once: a single-process CLI run leaves a core idle, the other worker fills it. More cores:
-# make test TEST_WORKERS=4 (each worker may start up to 8 ranks at once).
+# Worker processes (pytest-xdist), each test file kept on one so its fixtures are made
+# once: a CLI command spends seconds importing on one core, the other worker fills the
+# other. Two on two cores (three measured no faster: the suite is then CPU-bound); each
+# worker may start up to 8 ranks at once, so mind the memory before raising it.
 TEST_WORKERS ?= 2
 
 test: lint

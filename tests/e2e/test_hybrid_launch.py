@@ -107,12 +107,13 @@ def test_weights_match_single_process_fit(
 def test_compiled_resume_with_selective_recompute_equals_uninterrupted_run(
     single_node: Path, shakespeare_llama3: Path, tmp_path: Path
 ) -> None:
-    """The dp2 x tp2 run's step-2 checkpoint resumed on tp2 alone (the same global batch,
+    """The dp2 x tp2 run's step-2 checkpoint resumed on tp2 alone (the same global batch in
     one replica) with ``compile: true`` (inductor's C++ backend on CPU) and selective
-    recomputation, after tp + SP and before ZeRO-1, logs the uninterrupted eager run's
-    losses: step 2 checks the restored weights through the compiled forward, step 3 the
-    compiled backward and the restored optimizer state, LR schedule and data position.
-    One launch checks both: 2 processes start once, and each compiles once."""
+    recomputation, after tp + SP and before ZeRO-1, ends at the uninterrupted eager run's
+    step-4 weights: steps 2 and 3 go through the compiled forward and backward from the
+    restored weights, optimizer state, LR schedule and data position (a wrong one moves a
+    weight by about lr = 1e-3). One launch: 2 processes start once, each compiles once.
+    (Losses are not compared: a dp2 run logs its rank 0's half of the batch.)"""
     ckpt = single_node / NAME / "checkpoints" / "epoch=0-step=2.ckpt"
     extra = (
         f"--ckpt_path={ckpt}",
@@ -122,10 +123,13 @@ def test_compiled_resume_with_selective_recompute_equals_uninterrupted_run(
         "--trainer.strategy.init_args.activation_checkpointing=selective",
     )
     run_cli(*_fit_args(shakespeare_llama3, tmp_path, *extra), cwd=REPO)
-    resumed, uninterrupted = _losses(tmp_path), _losses(single_node)
-    assert sorted(resumed) == [2, 3]
-    for step, loss in resumed.items():  # fused kernels round differently in the last bits
-        assert loss == pytest.approx(uninterrupted[step], rel=1e-5)
+    assert sorted(_losses(tmp_path)) == [2, 3]
+    resumed = dcp_state_dict(tmp_path / NAME / "checkpoints" / "last.ckpt")
+    uninterrupted = dcp_state_dict(single_node / NAME / "checkpoints" / "epoch=0-step=4.ckpt")
+    assert set(resumed) == set(uninterrupted)
+    # Fused kernels and one replica instead of two round differently in the last bits.
+    for name, weight in resumed.items():
+        torch.testing.assert_close(weight, uninterrupted[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
 def _torchrun_node(
