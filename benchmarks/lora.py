@@ -8,7 +8,7 @@ Three variants of one model (same seed, same random batch), each trained with pl
 PyTorch steps (``loss_fn(module(x), y).backward(); AdamW.step(); zero_grad()``):
 
 * ``full`` (baseline): every parameter trains.
-* ``lora r=8``: :func:`plugintrain.lora.inject` puts rank-``r`` adapters (``alpha = 2r``)
+* ``lora r=8``: :func:`plugintrain.model_zoo.lora.inject` puts rank-``r`` adapters (``alpha = 2r``)
   on every attention projection and feed-forward Linear layer (``*.attention.wq|wk|wv|wo``,
   ``*.feed_forward.*``; ``--targets`` changes them); everything else is frozen, the tied
   embedding and head included.
@@ -19,7 +19,7 @@ PyTorch steps (``loss_fn(module(x), y).backward(); AdamW.step(); zero_grad()``):
 For each: trainable parameters; optimizer-state bytes (every tensor in ``optimizer.state``
 after the warm-up steps); "static" bytes, those live before a step (weights, buffers,
 optimizer state, the batch); the peak bytes of one steady-state training step, forward to
-``zero_grad`` (CPU: :class:`plugintrain.memory.LiveTensorMemory`, which sees every tensor
+``zero_grad`` (CPU: :class:`plugintrain.core.memory.LiveTensorMemory`, which sees every tensor
 an operator allocates, and names the operator that set the peak; CUDA: the allocator's
 peak, less what the other variants keep resident); and tokens/s, the median of ``--steps``
 timed steps (their min-max shown) after ``--warmup`` untimed steps and the measured one,
@@ -81,10 +81,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.data.assets import PRETRAINED_MODELS
-from plugintrain.lora import LoRASpec, init_adapters, inject
-from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import CausalLM, TransformerConfig
+from plugintrain.model_zoo.lora import LoRASpec, init_adapters, inject
 
 TARGETS = (
     "*.attention.wq",

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/memory.py [--world 2] [--pp 2 4] [--steps 8]
 
-Every figure is a peak measured by :class:`plugintrain.memory.LiveTensorMemory`, which
+Every figure is a peak measured by :class:`plugintrain.core.memory.LiveTensorMemory`, which
 sees every tensor an operator allocates (on CUDA the allocator's peak would be used).
 
 1. **ZeRO gradients** (``--world`` gloo processes, Llama 3 debug with an 8,192-token
@@ -50,7 +50,8 @@ from _launch import gather
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain.memory import LiveTensorMemory
+from plugintrain.checkpoints.dcp import save_directory
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig
 from plugintrain.strategies import (
     GradientEngine,
@@ -58,7 +59,7 @@ from plugintrain.strategies import (
     PipelineExecutor,
     split_model,
 )
-from plugintrain.strategies.checkpoint import EngineCheckpoint, save_directory
+from plugintrain.strategies.engine_checkpoint import EngineCheckpoint
 
 VOCAB = 8192
 SEQ = 128

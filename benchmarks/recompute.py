@@ -20,7 +20,7 @@ Figures:
   so a change of load on the machine hits them alike.
 * **block activations**: bytes the transformer blocks leave alive after their forward
   (what backward will read: saved activations and the hidden states), measured on eager
-  variants by :class:`~plugintrain.memory.LiveTensorMemory` (it sees every tensor an
+  variants by :class:`~plugintrain.core.memory.LiveTensorMemory` (it sees every tensor an
   operator allocates). The head's logits are not in it; the step peak column has them.
 * **step peak**: peak live bytes of the whole step beyond the weights and the batch
   (CPU: the same tracker; CUDA: the allocator's peak). On CPU the tracker cannot see
@@ -52,7 +52,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from plugintrain.memory import LiveTensorMemory  # noqa: E402
+from plugintrain.core.memory import LiveTensorMemory  # noqa: E402
 from plugintrain.model_zoo import Transformer, TransformerConfig  # noqa: E402
 from plugintrain.strategies import BlockOptions  # noqa: E402
 

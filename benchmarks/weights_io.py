@@ -27,7 +27,7 @@ count in its RSS.
 Prints a markdown table per model: seconds; peak RSS growth, and the sampled peak growth
 of its anonymous part (RSS counts the pages of a memory-mapped file a process has read,
 which the kernel can drop; anonymous memory it must keep); the peak of live tensor
-storage seen by :class:`~plugintrain.memory.LiveTensorMemory` (ours only, from a second
+storage seen by :class:`~plugintrain.core.memory.LiveTensorMemory` (ours only, from a second
 run, as the mode slows every op; the baselines allocate in native code it does not see);
 and the ratios of each to the first baseline of the same kind (below 1 is better).
 """
@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
-from plugintrain.formats.base import FAMILIES, model_shapes
+from plugintrain.formats.base import model_shapes
 from plugintrain.formats.safetensors_io import write_safetensors
 from plugintrain.model_zoo import TransformerConfig
+from plugintrain.model_zoo.families import family_of
 
 SOURCE_DTYPES = {"gpt2-124m": torch.float32, "llama3.2-1b": torch.bfloat16}
 """Each model's source checkpoint dtype, as it is published."""
@@ -72,7 +73,7 @@ MiB = 2**20
 def _hf_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape, from the family's export plan on the meta device."""
     ours = model_shapes(config)
-    plan = FAMILIES[config.family].hf_export_plan(config)
+    plan = family_of(config).hf_export_plan(config)
     return {
         name: tuple(rule.build(*(torch.empty(ours[s], device="meta") for s in rule.sources)).shape)
         for name, rule in plan.items()
@@ -86,7 +87,7 @@ def _make_source(model: str, out: Path) -> None:
     shapes = _hf_shapes(config)
     generator = torch.Generator().manual_seed(0)
     out.mkdir(parents=True)
-    hf_config = FAMILIES[config.family].to_hf_config(config)
+    hf_config = family_of(config).to_hf_config(config)
     hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
@@ -217,8 +218,8 @@ def _child(operation: str, model: str, source: Path, out: Path, trace: bool) -> 
     import safetensors.torch  # noqa: F401
     from transformers import AutoModelForCausalLM  # noqa: F401
 
+    from plugintrain.core.memory import LiveTensorMemory
     from plugintrain.formats import gguf_file, hf, llmc  # noqa: F401
-    from plugintrain.memory import LiveTensorMemory
 
     run = OPERATIONS[operation]
     if trace:

@@ -406,6 +406,15 @@ class TransformerConfig:
         """Names of all registered presets, sorted."""
         return sorted(_PRESETS)
 
+    def one_block(self) -> TransformerConfig:
+        """This architecture with one block, of the kind most of its blocks are (a mixture
+        of experts' is an MoE block: its few dense first blocks are the exception)."""
+        if self.moe is None:
+            return dataclasses.replace(self, n_layer=1)
+        return dataclasses.replace(
+            self, n_layer=1, moe=dataclasses.replace(self.moe, first_k_dense=0)
+        )
+
     def num_params(self, include_embeddings: bool = True, active: bool = False) -> int:
         """Count the parameters analytically, without building the model.
 

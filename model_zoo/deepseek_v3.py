@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from plugintrain.model_zoo import llama3
-from plugintrain.model_zoo.adapters import Plan, Rule, apply_plan, renamed, stacked
 from plugintrain.model_zoo.config import MLAConfig, MoEConfig, TransformerConfig, register_preset
+from plugintrain.model_zoo.family_spec import FamilySpec
+from plugintrain.model_zoo.weight_plans import Plan, Rule, renamed, stacked
 
 _ATTENTION = {
     "wq": "q_proj",
@@ -189,13 +188,6 @@ def hf_export_plan(config: TransformerConfig) -> Plan:
     return stacked_export_plan(config, hf_names(config), "mlp")
 
 
-def from_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], config: TransformerConfig
-) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face state dict (per-expert tensors, as on the Hub) to ours."""
-    return apply_plan(hf_import_plan(config), state_dict)
-
-
 def _check_layout(config: TransformerConfig) -> None:
     moe = config.moe
     bad = {}
@@ -350,3 +342,14 @@ def feed_forward_plan(config: TransformerConfig) -> dict[str, str]:
             plan |= {ffn: "tp_input", f"{ffn}.w1": "colwise", f"{ffn}.w3": "colwise"}
             plan[f"{ffn}.w2"] = "rowwise"
     return plan
+
+
+SPEC = FamilySpec(
+    name="deepseek_v3",
+    hf_model_type="deepseek_v3",
+    tp_plan=tp_plan,
+    hf_import_plan=hf_import_plan,
+    hf_export_plan=hf_export_plan,
+    from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config,
+)

@@ -2,18 +2,16 @@
 
 from typing import Any
 
-import torch
-
-from plugintrain.model_zoo.adapters import (
+from plugintrain.model_zoo.config import TransformerConfig, register_preset
+from plugintrain.model_zoo.family_spec import FamilySpec
+from plugintrain.model_zoo.weight_plans import (
     Plan,
-    apply_plan,
     chunk_of,
     concatenated,
     renamed,
     same,
     transposed,
 )
-from plugintrain.model_zoo.config import TransformerConfig, register_preset
 
 
 def _gpt2(name: str, n_layer: int, n_head: int, n_embd: int, block_size: int = 1024) -> None:
@@ -42,15 +40,6 @@ _gpt2("gpt2-774m", n_layer=36, n_head=20, n_embd=1280)
 _gpt2("gpt2-1.5b", n_layer=48, n_head=25, n_embd=1600)
 # Tiny CPU model (~7M parameters, mostly the embedding): learns Shakespeare in minutes.
 _gpt2("gpt2-debug", n_layer=4, n_head=4, n_embd=128, block_size=256)
-
-
-def from_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], config: TransformerConfig
-) -> dict[str, torch.Tensor]:
-    """Map a whole Hugging Face ``GPT2LMHeadModel`` (or ``GPT2Model``) state dict to ours
-    (:func:`hf_import_plan` applied to every tensor)."""
-    sd = {hf_key(key): value for key, value in state_dict.items()}
-    return apply_plan(hf_import_plan(config), sd)
 
 
 def hf_key(key: str) -> str:
@@ -189,7 +178,7 @@ def to_hf_config(config: TransformerConfig) -> dict[str, Any]:
     }
 
 
-def tp_plan() -> dict[str, str]:
+def tp_plan(config: TransformerConfig | None = None) -> dict[str, str]:
     """Tensor/sequence-parallel plan, as data: module path pattern -> style name.
 
     ``colwise`` shards a Linear's output features (heads, FFN hidden units), ``rowwise`` its
@@ -219,3 +208,16 @@ def tp_plan() -> dict[str, str]:
         "norm": "sequence_parallel",
         "output": "vocab_head",
     }
+
+
+SPEC = FamilySpec(
+    name="gpt2",
+    hf_model_type="gpt2",
+    tp_plan=tp_plan,
+    hf_import_plan=hf_import_plan,
+    hf_export_plan=hf_export_plan,
+    from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config,
+    gguf_architecture="gpt2",
+    hf_key=hf_key,
+)

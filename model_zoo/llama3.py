@@ -3,11 +3,10 @@
 import dataclasses
 from typing import Any
 
-import torch
-
 from plugintrain.model_zoo import gpt2
-from plugintrain.model_zoo.adapters import Plan, apply_plan, renamed
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig, register_preset
+from plugintrain.model_zoo.family_spec import FamilySpec
+from plugintrain.model_zoo.weight_plans import Plan, renamed
 
 # Llama 3.2 extends the 8k pretraining context to 128k with a 32x frequency scaling.
 _LLAMA32_SCALING = RopeScaling(
@@ -136,14 +135,6 @@ def hf_export_plan(config: TransformerConfig) -> Plan:
     return renamed({theirs: ours for ours, theirs in names.items()})
 
 
-def from_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], config: TransformerConfig
-) -> dict[str, torch.Tensor]:
-    """Map a whole Hugging Face ``LlamaForCausalLM`` state dict to ours
-    (:func:`hf_import_plan` applied to every tensor)."""
-    return apply_plan(hf_import_plan(config), state_dict)
-
-
 def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
     """Our config for a Hugging Face ``LlamaConfig`` (as its ``config.json`` holds it).
 
@@ -239,7 +230,7 @@ def hf_shape(config: TransformerConfig) -> dict[str, Any]:
     }
 
 
-def tp_plan() -> dict[str, str]:
+def tp_plan(config: TransformerConfig | None = None) -> dict[str, str]:
     """Tensor/sequence-parallel plan, as data: module path pattern -> style name.
 
     GPT-2's plan (the families share :class:`~plugintrain.model_zoo.transformer.Transformer`
@@ -247,3 +238,15 @@ def tp_plan() -> dict[str, str]:
     Query heads and key/value heads are sharded alike, so tp must divide ``n_kv_head``.
     """
     return {**gpt2.tp_plan(), "layers.*.feed_forward.w3": "colwise"}
+
+
+SPEC = FamilySpec(
+    name="llama3",
+    hf_model_type="llama",
+    tp_plan=tp_plan,
+    hf_import_plan=hf_import_plan,
+    hf_export_plan=hf_export_plan,
+    from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config,
+    gguf_architecture="llama",
+)

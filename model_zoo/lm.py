@@ -1,110 +1,22 @@
 """CausalLM: next-token training, evaluation and generation for any TransformerConfig."""
 
-import dataclasses
 import functools
 import math
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.cli import OptimizerCallable
-from torchmetrics import Metric
 
-from plugintrain.data.token_bytes import TokenBytesSource
-from plugintrain.model_zoo import deepseek_v3, gpt2, llama3, qwen3, qwen3_moe
+from plugintrain.checkpoints.portable import PortableCheckpoints
+from plugintrain.core.contracts import TokenBytesSource
+from plugintrain.core.pretrained import open_pretrained
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.cross_entropy import token_cross_entropy
-from plugintrain.model_zoo.layers import QK_NORM_PLAN
+from plugintrain.model_zoo.families import tp_plan
+from plugintrain.model_zoo.generation import generate
+from plugintrain.model_zoo.metrics import EvalMetrics
 from plugintrain.model_zoo.routing_stats import RoutingHooks
 from plugintrain.model_zoo.transformer import Transformer
-from plugintrain.portable_checkpoints import PortableCheckpoints
-
-# Model family -> its declarative tensor/sequence-parallel plan for a config (the MoE
-# families' plans depend on which blocks are dense).
-_TP_PLANS = {
-    "gpt2": lambda config: gpt2.tp_plan(),
-    "llama3": lambda config: llama3.tp_plan(),
-    "qwen3": lambda config: qwen3.tp_plan(),
-    "deepseek_v3": deepseek_v3.tp_plan,
-    "qwen3_moe": qwen3_moe.tp_plan,
-}
-
-
-class _SummedNLL(Metric):
-    """Total NLL (nats) and a total to divide it by, synced across ranks by summing both."""
-
-    full_state_update = False
-    higher_is_better = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.add_state(
-            "nll_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum"
-        )
-        self.add_state("total", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
-
-    def _add(self, loss: torch.Tensor, num_tokens: int, total: int | torch.Tensor) -> None:
-        self.nll_sum += loss.detach().double() * num_tokens
-        self.total += total
-
-
-class Perplexity(_SummedNLL):
-    """Token-level perplexity from mean losses.
-
-    Takes the loss already computed for the step, so the vocabulary softmax runs once.
-    """
-
-    def update(self, loss: torch.Tensor, num_tokens: int) -> None:
-        """Add a batch whose mean token NLL is ``loss`` over ``num_tokens`` tokens."""
-        self._add(loss, num_tokens, num_tokens)
-
-    def compute(self) -> torch.Tensor:
-        """``exp(total NLL / total tokens)``."""
-        return torch.exp(self.nll_sum / self.total)
-
-
-class BitsPerByte(_SummedNLL):
-    """Bits per UTF-8 byte of text: total NLL (nats) / (ln 2 x total bytes of the targets).
-
-    Unlike loss per token it does not depend on the tokenizer, so models with different
-    vocabularies compare on it. Every target's NLL counts, also a special token's, which
-    spells no bytes.
-    """
-
-    def update(self, loss: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor) -> None:
-        """Add a batch whose mean token NLL is ``loss`` over ``targets`` (ids, any shape);
-        ``token_bytes[i]`` is the number of bytes id ``i`` spells."""
-        self._add(loss, targets.numel(), token_bytes[targets].sum())
-
-    def compute(self) -> torch.Tensor:
-        """``total NLL / (ln 2 x total bytes)``."""
-        return self.nll_sum / (math.log(2) * self.total)
-
-
-class EvalMetrics(torch.nn.Module):
-    """The metrics of one evaluation stage, updated from each batch's mean loss: perplexity,
-    and bits per byte once ``token_bytes`` (UTF-8 bytes per token id) is known."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ppl = Perplexity()
-        self.bpb = BitsPerByte()
-        self.token_bytes: torch.Tensor | None = None
-
-    def update(self, loss: torch.Tensor, targets: torch.Tensor) -> dict[str, Metric]:
-        """Add a batch of mean loss ``loss`` over ``targets``; returns the metrics to log."""
-        self.ppl.update(loss, targets.numel())
-        token_bytes = self.bytes_on(targets.device)
-        if token_bytes is None:
-            return {"ppl": self.ppl}
-        self.bpb.update(loss, targets, token_bytes)
-        return {"ppl": self.ppl, "bpb": self.bpb}
-
-    def bytes_on(self, device: torch.device) -> torch.Tensor | None:
-        """``token_bytes`` on ``device`` (copied once, then a no-op), None if unknown."""
-        if self.token_bytes is not None:
-            self.token_bytes = self.token_bytes.to(device)
-        return self.token_bytes
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
@@ -214,10 +126,15 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
         self.model.init_buffers()
         _load_pretrained(self.model, self.config, self.weights)
 
+    def one_block_model(self) -> Transformer:
+        """A one-block transformer of this architecture (``config.one_block()``), randomly
+        initialized: what ``layers_per_stage: auto`` times instead of the whole model."""
+        return Transformer(self.config.one_block())
+
     def tp_plan(self) -> dict[str, str]:
         """The family's tensor-parallel plan, keyed by paths under this module (``model.*``);
         the query/key norms' entries follow ``config.qk_norm``, whatever the family."""
-        return {f"model.{pattern}": style for pattern, style in _tp_plan(self.config).items()}
+        return {f"model.{pattern}": style for pattern, style in tp_plan(self.config).items()}
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`."""
@@ -311,7 +228,6 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
 
-    @torch.inference_mode()
     def generate(
         self,
         idx: torch.Tensor,
@@ -321,78 +237,10 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
         use_cache: bool = True,
         eos_id: int | None = None,
     ) -> torch.Tensor:
-        """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens.
-
-        Call ``eval()`` first when the config has dropout.
-
-        Args:
-            idx: Prompt token ids.
-            max_new_tokens: Number of tokens to generate.
-            temperature: Softmax temperature; 0 picks the most likely token (greedy).
-            top_k: Sample only among the k most likely tokens; None samples from all.
-            use_cache: Prefill a KV cache once and decode one token per step; without it,
-                each step reruns the (last ``block_size`` tokens of the) sequence.
-            eos_id: Stop once every row has produced this token; finished rows are padded
-                with it.
-
-        Returns:
-            The prompts followed by the generated tokens, ``(B, T + n)`` with
-            ``n <= max_new_tokens``.
-
-        Raises:
-            ValueError: If the cache is used and prompt plus new tokens exceed ``block_size``.
-        """
-        if use_cache:
-            self._setup_kv_cache(idx, max_new_tokens)
-        try:
-            return self._generate(idx, max_new_tokens, temperature, top_k, use_cache, eos_id)
-        finally:
-            self.model.clear_kv_cache()
-
-    def _setup_kv_cache(self, idx: torch.Tensor, max_new_tokens: int) -> None:
-        total = idx.size(1) + max_new_tokens
-        if total > self.max_seq_len:
-            raise ValueError(
-                f"Prompt length {idx.size(1)} + max_new_tokens={max_new_tokens} = {total} "
-                f"exceeds block_size={self.max_seq_len}; generate fewer tokens, or pass "
-                f"use_cache=False to crop the context to the last block_size tokens."
-            )
-        self.model.setup_kv_cache(idx.size(0), total, device=idx.device)
-
-    def _generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        use_cache: bool,
-        eos_id: int | None,
-    ) -> torch.Tensor:
-        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        for step in range(max_new_tokens):
-            logits = self._next_logits(idx, step, use_cache)  # (B, V)
-            idx_next = _sample(logits, temperature, top_k)  # (B, 1)
-            if eos_id is not None:
-                idx_next = idx_next.masked_fill(done[:, None], eos_id)
-                done |= idx_next[:, 0] == eos_id
-            idx = torch.cat((idx, idx_next), dim=1)
-            if done.all():
-                break
-        return idx
-
-    def _next_logits(self, idx: torch.Tensor, step: int, use_cache: bool) -> torch.Tensor:
-        if not use_cache:
-            return self.model(idx[:, -self.max_seq_len :])[:, -1]
-        # The first step prefills the cache with the prompt; later ones feed the newest token.
-        start = 0 if step == 0 else idx.size(1) - 1
-        input_pos = torch.arange(start, idx.size(1), device=idx.device)
-        return self.model(idx[:, start:], input_pos)[:, -1]
-
-
-def _tp_plan(config: TransformerConfig) -> dict[str, str]:
-    """``config``'s family plan, with query/key norm entries exactly when it has them."""
-    plan = {k: v for k, v in _TP_PLANS[config.family](config).items() if k not in QK_NORM_PLAN}
-    return plan | QK_NORM_PLAN if config.qk_norm else plan
+        """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens; see
+        :func:`plugintrain.model_zoo.generation.generate` (call ``eval()`` first when the
+        config has dropout)."""
+        return generate(self.model, idx, max_new_tokens, temperature, top_k, use_cache, eos_id)
 
 
 def _build(config: TransformerConfig, weights: str | None) -> Transformer:
@@ -415,9 +263,7 @@ def _build(config: TransformerConfig, weights: str | None) -> Transformer:
 
 def _load_pretrained(model: Transformer, config: TransformerConfig, weights: str) -> None:
     """Copy the pretrained ``weights`` into the parts of ``model`` this rank holds."""
-    from plugintrain.formats import load_into, open_weights
-
-    load_into(model, open_weights(weights), config)
+    open_pretrained(weights).load_into(model, config)
 
 
 def _resolve_config(
@@ -431,15 +277,11 @@ def _resolve_config(
         config = TransformerConfig.from_name(config)
     if weights is None:
         return config or TransformerConfig.from_name("gpt2-debug")
-    from plugintrain.data.assets import PRETRAINED_MODELS
-    from plugintrain.formats import check_architecture, open_weights
-
-    found = open_weights(weights)
+    found = open_pretrained(weights)
     if config is not None:
-        check_architecture(config, found)
+        found.check_architecture(config)
         return config
-    tokenizer = weights if weights in PRETRAINED_MODELS else found.tokenizer
-    return dataclasses.replace(found.config, tokenizer=tokenizer)
+    return found.config
 
 
 def _bits_per_byte(
@@ -452,14 +294,3 @@ def _bits_per_byte(
 def _token_bytes_of(datamodule: L.LightningDataModule | None) -> torch.Tensor | None:
     """The UTF-8 bytes per token id of a datamodule that knows them, else None."""
     return datamodule.token_bytes if isinstance(datamodule, TokenBytesSource) else None
-
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
-    """Pick one token id per row of ``logits`` ``(B, V)``: ``(B, 1)``."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)

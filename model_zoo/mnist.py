@@ -10,7 +10,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from plugintrain.portable_checkpoints import PortableCheckpoints
+from plugintrain.checkpoints.portable import PortableCheckpoints
 
 _NUM_CLASSES = 10
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
-from plugintrain import profiling
+from plugintrain.core import profiling
 from plugintrain.model_zoo.config import MoEConfig, TransformerConfig
 
 

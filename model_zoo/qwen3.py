@@ -9,12 +9,11 @@ a width of 1024) and an RMSNorm over each head's queries and keys before RoPE
 
 from typing import Any
 
-import torch
-
 from plugintrain.model_zoo import llama3
-from plugintrain.model_zoo.adapters import Plan, apply_plan, renamed
 from plugintrain.model_zoo.config import TransformerConfig, register_preset
+from plugintrain.model_zoo.family_spec import FamilySpec
 from plugintrain.model_zoo.layers import QK_NORM_PLAN
+from plugintrain.model_zoo.weight_plans import Plan, renamed
 
 PRESET_DEFAULTS = dict(
     family="qwen3",
@@ -128,14 +127,6 @@ def _check_layout(config: TransformerConfig) -> None:
         )
 
 
-def from_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], config: TransformerConfig
-) -> dict[str, torch.Tensor]:
-    """Map a whole Hugging Face ``Qwen3ForCausalLM`` state dict to ours
-    (:func:`hf_import_plan` applied to every tensor)."""
-    return apply_plan(hf_import_plan(config), state_dict)
-
-
 def from_hf_config(hf: dict[str, Any], name: str) -> TransformerConfig:
     """Our config for a Hugging Face ``Qwen3Config`` (as its ``config.json`` holds it).
 
@@ -212,7 +203,7 @@ def to_hf_config(config: TransformerConfig) -> dict[str, Any]:
     }
 
 
-def tp_plan() -> dict[str, str]:
+def tp_plan(config: TransformerConfig | None = None) -> dict[str, str]:
     """Tensor/sequence-parallel plan, as data: module path pattern -> style name.
 
     Llama's plan (see :func:`plugintrain.model_zoo.llama3.tp_plan`) plus the per-head query
@@ -226,3 +217,15 @@ def tp_plan() -> dict[str, str]:
     without sequence parallelism.
     """
     return {**llama3.tp_plan(), **QK_NORM_PLAN}
+
+
+SPEC = FamilySpec(
+    name="qwen3",
+    hf_model_type="qwen3",
+    tp_plan=tp_plan,
+    hf_import_plan=hf_import_plan,
+    hf_export_plan=hf_export_plan,
+    from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config,
+    gguf_architecture="qwen3",
+)

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from plugintrain.model_zoo import deepseek_v3, llama3, qwen3
-from plugintrain.model_zoo.adapters import Plan, Rule, apply_plan
 from plugintrain.model_zoo.config import MoEConfig, TransformerConfig, register_preset
+from plugintrain.model_zoo.family_spec import FamilySpec
+from plugintrain.model_zoo.weight_plans import Plan, Rule
 
 
 def _qwen3_moe(name: str, moe: MoEConfig, **sizes: Any) -> None:
@@ -118,13 +119,6 @@ def _unbiased_router(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.
     return build
 
 
-def from_hf_state_dict(
-    state_dict: dict[str, torch.Tensor], config: TransformerConfig
-) -> dict[str, torch.Tensor]:
-    """Map a Hugging Face state dict (per-expert tensors, as on the Hub) to ours."""
-    return apply_plan(hf_import_plan(config), state_dict)
-
-
 def _check_layout(config: TransformerConfig) -> None:
     moe = config.moe
     if (
@@ -196,3 +190,14 @@ def tp_plan(config: TransformerConfig) -> dict[str, str]:
     :func:`plugintrain.model_zoo.deepseek_v3.feed_forward_plan` for ``config``'s blocks."""
     attention = {k: v for k, v in qwen3.tp_plan().items() if "feed_forward" not in k}
     return attention | deepseek_v3.feed_forward_plan(config)
+
+
+SPEC = FamilySpec(
+    name="qwen3_moe",
+    hf_model_type="qwen3_moe",
+    tp_plan=tp_plan,
+    hf_import_plan=hf_import_plan,
+    hf_export_plan=hf_export_plan,
+    from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config,
+)

@@ -5,7 +5,7 @@ Attribute names are an interface: tensor-parallel plans key on module paths such
 ``layers`` ``ModuleDict`` (keeping the others' names) and sets ``tok_embeddings``, ``norm`` or
 ``output`` to None on the pipeline stages that do not own them (torchtitan's layout).
 ``embed`` / ``run_layers`` / ``head`` are the pieces a stage runs: the model implements
-:class:`plugintrain.distributed.StagedModel`, and strategies need nothing else of it.
+:class:`plugintrain.core.contracts.StagedModel`, and strategies need nothing else of it.
 """
 
 import math
@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import nn
 
-from plugintrain.initialization import draw_seed, seeded_normal_
+from plugintrain.core.initialization import draw_seed, seeded_normal_
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.layers import (
     Attention,
@@ -106,7 +106,7 @@ class Transformer(nn.Module):
         ``1 / sqrt(2 * n_layer)`` for the projections that write into the residual stream
         (``wo``, ``w2``, the experts' ``w2``; GPT-2 paper, section 2.3), zero biases, unit
         norm weights, zero routing biases. Normal
-        values come from :func:`~plugintrain.initialization.seeded_normal_` keyed by each
+        values come from :func:`~plugintrain.core.initialization.seeded_normal_` keyed by each
         parameter's full-model name (a tied head by the embedding's), so a pipeline stage
         or a tensor-parallel / FSDP2 shard initialized on its own holds exactly its part
         of the one-process weights.
@@ -167,7 +167,7 @@ class Transformer(nn.Module):
         h = self.run_layers(h, self.layers.keys(), pos, input_pos)
         return self.head(h) if self.output is not None else h  # (B, T, V)
 
-    # ---- the pieces a pipeline stage runs (plugintrain.distributed.StagedModel) -----------
+    # ---- the pieces a pipeline stage runs (plugintrain.core.contracts.StagedModel) -----------
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` at ``positions`` ``(T,)`` -> hidden states ``(B, T, C)``."""

@@ -37,24 +37,24 @@ from plugintrain.callbacks import (
     TokenThroughputMonitor,
 )
 from plugintrain.callbacks.lora import resume_base
-from plugintrain.cli_usage import (
+from plugintrain.checkpoints.lightning_io import SafeCheckpointIO
+from plugintrain.checkpoints.resume import (
+    checkpoint_entry,
+    checkpoint_hparams,
+    reconcile,
+    resolve_ckpt_path,
+)
+from plugintrain.cli_messages import (
     ConfigError,
     check_strategy_name,
     precision_help,
     strategy_help,
     user_message,
 )
+from plugintrain.core.elastic import launching_rank
 from plugintrain.data import family_tokenizer
-from plugintrain.lora import RECORD_KEY as LORA_RECORD
+from plugintrain.model_zoo.lora import RECORD_KEY as LORA_RECORD
 from plugintrain.precision_plugins import canonical_precision_name, precision_plugin_from_name
-from plugintrain.resume import (
-    checkpoint_entry,
-    checkpoint_hparams,
-    launching_rank,
-    reconcile,
-    resolve_ckpt_path,
-)
-from plugintrain.strategies.checkpoint_io import SafeCheckpointIO
 
 # Config dataclasses document their fields with attribute docstrings; show them in --help.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -277,7 +277,7 @@ class PluginTrainCLI(LightningCLI):
     @override
     def _parse_ckpt_path(self) -> None:
         # Replaces LightningCLI's, which unpickles the file, ignores `last` and silently
-        # trains the checkpoint's model over the options given: see plugintrain.resume.
+        # trains the checkpoint's model over the options given: see plugintrain.checkpoints.resume.
         subcommand = self.config.get("subcommand")
         config = self.config.get(str(subcommand)) if subcommand else None
         if config is None or "ckpt_path" not in config:

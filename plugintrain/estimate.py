@@ -19,7 +19,7 @@ rank by rank, in five parts:
   each trainable parameter has its own ``.grad``. FSDP2 (``zero_stage=3``) shards every
   parameter's first dim, padded.
 - **activations**: what one micro-batch's forward saves for backward, term by term per
-  token (measured with :class:`~plugintrain.memory.LiveTensorMemory` on the zoo's blocks,
+  token (measured with :class:`~plugintrain.core.memory.LiveTensorMemory` on the zoo's blocks,
   see :func:`block_saved_bytes`; a mixture-of-experts block by its routed ``tokens x
   top_k`` assignments), times the micro-batches a pipeline rank holds at once
   under its schedule (the schedule's own actions are walked), plus the largest transient
@@ -295,8 +295,7 @@ def _model_params(
     """The zoo model's parameters, built on the meta device, with LoRA put in as the LoRA
     callback does, and the dim the family's tensor-parallel plan splits each along (the
     plan is read, as the strategies read it, only with ``tensor_parallel``)."""
-    from plugintrain import lora
-    from plugintrain.model_zoo import CausalLM
+    from plugintrain.model_zoo import CausalLM, lora
     from plugintrain.strategies.expert_parallel import expert_layers
     from plugintrain.strategies.tensor_parallel import expand_plan
 
@@ -329,7 +328,7 @@ def _tp_dim(module: torch.nn.Module, leaf: str, style: str | None) -> int | None
     """The dim of ``module.<leaf>`` that ``style`` splits (torch's Colwise/RowwiseParallel:
     a Linear's weight on dim 0 / 1, its bias on 0 / not at all; an embedding's rows), or
     what a layer with extra parameters (a LoRA adapter) declares."""
-    from plugintrain.distributed import TensorParallelExtras
+    from plugintrain.core.contracts import TensorParallelExtras
 
     kind = {"colwise": "colwise", "vocab_head": "colwise", "rowwise": "rowwise"}.get(style or "")
     if style == "vocab_embedding":
@@ -532,7 +531,7 @@ def block_saved_bytes(
 ) -> float:
     """Bytes transformer block ``index`` saves for backward, per token of a micro-batch.
 
-    Term by term, as measured with :class:`~plugintrain.memory.LiveTensorMemory` on the
+    Term by term, as measured with :class:`~plugintrain.core.memory.LiveTensorMemory` on the
     zoo's blocks (fp32 matches to the byte on gpt2/llama3/qwen3-debug): the block input;
     each norm's statistics (RMSNorm, a composite op, also keeps its normalized input); the
     norm output, which the Linear layers read (under autocast each keeps its own

@@ -2,7 +2,7 @@
 
 Gradient clipping and found-inf need the whole model's gradients, which may be split
 over tensor, pipeline and data-parallel ranks. The strategy describes that split through
-:class:`plugintrain.distributed.GradientLayoutProvider`; these plugins consume it.
+:class:`plugintrain.core.contracts.GradientLayoutProvider`; these plugins consume it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugintrain.distributed import GradientLayout, GradientLayoutProvider, default_gradient_layout
+from plugintrain.core.contracts import (
+    GradientLayout,
+    GradientLayoutProvider,
+    default_gradient_layout,
+)
 
 
 def clip_grads_by_global_norm_(layout: GradientLayout, max_norm: float) -> Tensor:
@@ -41,8 +45,8 @@ class LayoutAwarePrecision(Precision):
     """Clip by the global norm over every shard and stage, and agree found-inf across them.
 
     The layout comes from the trainer's strategy when it implements
-    :class:`~plugintrain.distributed.GradientLayoutProvider` (bound at each optimizer step),
-    else from :func:`~plugintrain.distributed.default_gradient_layout` (one process, DDP,
+    :class:`~plugintrain.core.contracts.GradientLayoutProvider` (bound at each optimizer step),
+    else from :func:`~plugintrain.core.contracts.default_gradient_layout` (one process, DDP,
     DTensor sharding over the whole world). Combine it with a Lightning plugin class by
     listing it first among the bases.
     """

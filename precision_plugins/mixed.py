@@ -12,7 +12,7 @@ it in two ways:
   with :class:`DynamicLossScaler`, whose found-inf is agreed across the whole model.
 
 A strategy that casts the weights itself turns autocast off (``autocast = False``, see
-:class:`~plugintrain.distributed.AutocastSwitch`): FSDP2 with a ``MixedPrecisionPolicy``
+:class:`~plugintrain.core.contracts.AutocastSwitch`): FSDP2 with a ``MixedPrecisionPolicy``
 gathers bf16 weights, and autocast would keep bf16 copies of its own beside them.
 """
 

@@ -29,10 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import Tensor
+from torch import Tensor, nn
 
-from plugintrain.distributed import ExpertShape
-from plugintrain.profiling import device_seconds
+from plugintrain.core.contracts import MicroBatchShape, OneBlockModule, check_contract
+from plugintrain.core.profiling import device_seconds
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline import PipelineOptions
 from plugintrain.strategies.pipeline_schedules import Simulation, build_schedule, simulate
@@ -209,7 +209,7 @@ def measure_costs(
     after one warm-up).
 
     ``model`` is a one-block model of the run's architecture (a
-    :class:`~plugintrain.distributed.StagedModel`), materialized on the run's device:
+    :class:`~plugintrain.core.contracts.StagedModel`), materialized on the run's device:
     never the whole model, so this is as cheap for 8B as for the debug models.
     ``forward_context``: the run's precision plugin's (autocast for mixed precision).
     """
@@ -262,7 +262,12 @@ def _time_parts(
 
 
 def rank_0_costs(
-    config: Any, micro_batch: int, seq_len: int, device: torch.device, precision_plugin: Any
+    module: OneBlockModule,
+    vocab_size: int,
+    micro_batch: int,
+    seq_len: int,
+    device: torch.device,
+    precision_plugin: Any,
 ) -> LayerCosts:
     """Global rank 0 measures and every rank receives its figures (a broadcast of six
     numbers): timings differ between ranks, and a split that differed would deadlock.
@@ -276,7 +281,9 @@ def rank_0_costs(
     if not dist.is_initialized() or dist.get_rank() == 0:
         sequences = max(1, min(micro_batch, MEASURED_TOKENS // seq_len))
         try:
-            costs = measure_one_block(config, sequences, seq_len, device, precision_plugin)
+            costs = measure_one_block(
+                module.one_block_model, vocab_size, sequences, seq_len, device, precision_plugin
+            )
             values = costs.scaled(micro_batch / sequences).as_tensor()
         except Exception as failure:  # raised below, on every rank
             error = failure
@@ -291,53 +298,29 @@ def rank_0_costs(
     return LayerCosts.from_tensor(values.cpu())
 
 
-def layer_costs_of_preset(
-    preset: str, n_layer: int | None, micro_batch: int, seq_len: int
-) -> tuple[LayerCosts, int]:
-    """:func:`measure_costs` of a preset's one-block model on this machine (a GPU if
-    there is one), with the preset's block count (or ``n_layer``)."""
-    from plugintrain.model_zoo import TransformerConfig
-
-    config = TransformerConfig.from_name(preset)
-    if seq_len > config.block_size:
-        raise ValueError(f"seq_len={seq_len} exceeds {preset}'s block_size={config.block_size}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return measure_one_block(config, micro_batch, seq_len, device), n_layer or config.n_layer
-
-
 def measure_one_block(
-    config: Any,
+    build: Callable[[], nn.Module],
+    vocab_size: int,
     micro_batch: int,
     seq_len: int,
     device: torch.device,
     precision_plugin: Precision | None = None,
 ) -> LayerCosts:
-    """:func:`measure_costs` on a one-block model of ``config`` built on ``device`` (in the
+    """:func:`measure_costs` on the one-block model ``build()`` makes on ``device`` (in the
     precision plugin's parameter dtype, run under its forward context). The global random
     state is left as it was: the real model's weights and data order do not depend on
     whether the split was measured."""
-    from plugintrain.model_zoo import Transformer
-
     devices = [device] if device.type == "cuda" else []
     init = precision_plugin.tensor_init_context if precision_plugin else nullcontext
     forward = precision_plugin.forward_context if precision_plugin else nullcontext
     with torch.random.fork_rng(devices=devices):
         with torch.device(device), init():
-            model = Transformer(_one_block(config))
-        return measure_costs(model, micro_batch, seq_len, config.vocab_size, forward)
-
-
-def _one_block(config: Any) -> Any:
-    """``config`` with one block; a mixture of experts' one block is an MoE block (most of
-    its blocks are: the dense first ones are timed as MoE blocks too)."""
-    if not isinstance(config, ExpertShape) or config.moe is None:
-        return dataclasses.replace(config, n_layer=1)
-    moe = dataclasses.replace(config.moe, first_k_dense=0)
-    return dataclasses.replace(config, n_layer=1, moe=moe)
+            model = build()
+        return measure_costs(model, micro_batch, seq_len, vocab_size, forward)
 
 
 def balance_stages(
-    config: Any,
+    module: Any,
     dims: ParallelDims,
     options: PipelineOptions,
     datamodule: Any,
@@ -345,10 +328,14 @@ def balance_stages(
     precision_plugin: Precision,
 ) -> PipelineOptions:
     """``options`` with ``layers_per_stage: auto`` replaced by the split chosen from costs
-    measured on this device (global rank 0's, on every rank); logged on rank 0."""
+    measured on this device (global rank 0's, on every rank) for ``module`` (a
+    :class:`~plugintrain.core.contracts.ParallelModule` and
+    :class:`~plugintrain.core.contracts.OneBlockModule`); logged on rank 0."""
+    check_contract(module, OneBlockModule, "layers_per_stage=auto")
     batch_size, seq_len = _micro_batch_shape(datamodule)
     micro = batch_size // options.microbatches
-    costs = rank_0_costs(config, micro, seq_len, device, precision_plugin)
+    config = module.config
+    costs = rank_0_costs(module, config.vocab_size, micro, seq_len, device, precision_plugin)
     pp, vpp = dims.pipeline_parallel, dims.virtual_pipeline_parallel
     balance = choose_split(costs, config.n_layer, pp, vpp, options.schedule, options.microbatches)
     rank_zero_info(_describe(balance, costs))
@@ -356,17 +343,17 @@ def balance_stages(
 
 
 def _micro_batch_shape(datamodule: Any) -> tuple[int, int]:
-    batch_size, seq_len = (
-        getattr(datamodule, "batch_size", None),
-        getattr(datamodule, "seq_len", None),
-    )
-    if not isinstance(batch_size, int) or not isinstance(seq_len, int):
+    if not (
+        isinstance(datamodule, MicroBatchShape)
+        and isinstance(datamodule.batch_size, int)
+        and isinstance(datamodule.seq_len, int)
+    ):
         raise ValueError(
             "layers_per_stage=auto times a micro-batch of the datamodule's batch_size and"
             f" seq_len, and {type(datamodule).__name__} has no integer batch_size and seq_len;"
             " give layers_per_stage as a list of block counts per stage instead"
         )
-    return batch_size, seq_len
+    return datamodule.batch_size, datamodule.seq_len
 
 
 def _describe(balance: Balance, costs: LayerCosts) -> str:

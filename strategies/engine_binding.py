@@ -4,7 +4,7 @@ The engine knows nothing of Lightning; each strategy that drives it (``ZeroStrat
 ``ParameterServerStrategy`` and ``HybridParallelStrategy``) holds one
 :class:`EngineBinding` and forwards its hooks to it: attaching the optimizers, skipping
 the reduction under gradient accumulation (``no_sync``), saving and loading checkpoints
-shard by shard (:mod:`~plugintrain.strategies.checkpoint`), refusing clipping that would
+shard by shard (:mod:`~plugintrain.checkpoints.dcp`), refusing clipping that would
 see only a shard, and removing the hooks at teardown. Neither strategy imports the other.
 """
 
@@ -21,12 +21,8 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from plugintrain.strategies.checkpoint import (
-    DEFAULT_FILE_BYTES,
-    EngineCheckpoint,
-    check_local_path,
-    save_directory,
-)
+from plugintrain.checkpoints.dcp import DEFAULT_FILE_BYTES, check_local_path, save_directory
+from plugintrain.strategies.engine_checkpoint import EngineCheckpoint
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.tied import TiedParameters
 

@@ -2,7 +2,7 @@
 
 Applied from outside the model, after the tensor-parallel plan and before recomputation,
 compile and data parallelism (torchtitan's order), to every
-:class:`~plugintrain.distributed.ExpertLayer` (the zoo's ``MoE``) a module holds:
+:class:`~plugintrain.core.contracts.ExpertLayer` (the zoo's ``MoE``) a module holds:
 
 - **Expert parallelism** (``expert_parallel = ep > 1``, ranks borrowed from dp; see
   :mod:`~plugintrain.strategies.mesh`): the stacked expert weights become DTensors
@@ -16,7 +16,7 @@ compile and data parallelism (torchtitan's order), to every
   every tp rank runs the layer on the same (whole) tokens, so its gradients are
   identical. With SP the plan's ``local_tokens`` style hands each rank its own sequence
   shard; every parameter of the layer becomes a DTensor replicated over tp and its
-  :class:`~plugintrain.distributed.LocalTokenModule` parts mark their gradients
+  :class:`~plugintrain.core.contracts.LocalTokenModule` parts mark their gradients
   ``Partial``, which the gradient engine sums over tp (as it does for sequence-parallel
   norms). The layer's ``sequence_group`` is set too: the sequence-wise balance loss sums
   each sequence's expert picks over it, so the ranks' losses add up to the sequence's.
@@ -34,7 +34,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from plugintrain.distributed import ExpertLayer, LocalTokenModule
+from plugintrain.core.contracts import ExpertLayer, LocalTokenModule
 from plugintrain.strategies.mesh import ParallelDims
 
 

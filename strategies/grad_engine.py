@@ -59,8 +59,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from plugintrain import profiling
-from plugintrain.distributed import GradientLayout, GradientPiece
+from plugintrain.core import profiling
+from plugintrain.core.contracts import GradientLayout, GradientPiece
 
 PARAMETER_SERVER: Final = "parameter_server"
 Stage: TypeAlias = Literal[0, 1, 2, "parameter_server"]
@@ -281,7 +281,7 @@ class _AllReduce:
 
     # Each rank's optimizer holds the same gradient, so it counts once per world in norms.
     replicated = True
-    # The profiling ranges (plugintrain.profiling) of waiting for a bucket's collectives.
+    # The profiling ranges (plugintrain.core.profiling) of waiting for a bucket's collectives.
     reduce_phase: str = profiling.GRAD_ALL_REDUCE
     sync_phase: str = profiling.PARAM_ALL_GATHER
 

@@ -7,13 +7,13 @@ parallelism (:mod:`~plugintrain.strategies.expert_parallel`), FSDP2 and the grad
 engine applied to the model in torchtitan's order),
 :mod:`~plugintrain.strategies.pipeline_runtime` (the steps when pp > 1),
 :mod:`~plugintrain.strategies.engine_binding` (the engine's Lightning hooks),
-:mod:`~plugintrain.strategies.checkpoint` (optimizer state in DCP directories) and
+:mod:`~plugintrain.checkpoints.dcp` (optimizer state in DCP directories) and
 :mod:`~plugintrain.strategies.tied` (weights tied across stages). This class wires them
 into Lightning's ``ModelParallelStrategy``, which supplies process launch, the
 distributed sampler and torch.distributed.checkpoint (DCP) directories.
 
 With ``pipeline_parallel > 1`` the module's ``model`` (a
-:class:`~plugintrain.distributed.StagedModel`) is split into ``pipeline_parallel x
+:class:`~plugintrain.core.contracts.StagedModel`) is split into ``pipeline_parallel x
 virtual_pipeline_parallel`` stages and the strategy hands its steps to a
 :class:`~plugintrain.strategies.pipeline_runtime.PipelineRuntime`: each batch is cut
 into ``microbatches``, the ``schedule`` runs inside the precision plugin's autocast
@@ -33,7 +33,7 @@ ranks that hold it. Pipeline stages add their MoE balance losses in the executor
 
 Checkpoints are DCP directories at the checkpoint path, keyed by full-model parameter
 names and written shard by shard from every rank, nothing gathered
-(:mod:`~plugintrain.strategies.checkpoint`): weights, buffers (MoE routing biases) and
+(:mod:`~plugintrain.checkpoints.dcp`): weights, buffers (MoE routing biases) and
 ZeRO 0-2 optimizer state reload under any pp, vpp, tp, ep and dp and in one process;
 stage 3 reshards through torch's ``get_optimizer_state_dict``.
 """
@@ -58,12 +58,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugintrain.distributed import AutocastSwitch, CallsModelBuiltHooks, GradientLayout
+from plugintrain.checkpoints.dcp import load_dtensor_states
+from plugintrain.core.contracts import AutocastSwitch, CallsModelBuiltHooks, GradientLayout
+from plugintrain.core.elastic import init_restarted_process_group
 from plugintrain.precision_plugins import PrecisionDtypes, precision_dtypes
-from plugintrain.resume import init_restarted_process_group
 from plugintrain.strategies.balance import balance_stages
 from plugintrain.strategies.blocks import BlockOptions
-from plugintrain.strategies.checkpoint import load_dtensor_states
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
 from plugintrain.strategies.parallelize import (
@@ -85,7 +85,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
 
     Registered as ``hybrid``. The LightningModule builds a single-device model in
     ``configure_model``; with tp > 1, pp > 1 or ep > 1 it implements
-    :class:`plugintrain.distributed.ParallelModule` (as :class:`~plugintrain.model_zoo.
+    :class:`plugintrain.core.contracts.ParallelModule` (as :class:`~plugintrain.model_zoo.
     CausalLM` does): its ``tp_plan()`` is applied, its ``loss_fn(logits, targets)`` wrapped
     into a vocabulary-parallel cross-entropy. Each dp rank reads its own batches;
     the tp and pp ranks of one replica read the same. Metrics are averaged over the
@@ -273,7 +273,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
             yield
 
     def gradient_buffers(self) -> list[Tensor]:
-        """Where this rank's gradients are (:class:`~plugintrain.distributed.HoldsGradients`)."""
+        """Where this rank's gradients are (:class:`~plugintrain.core.contracts.HoldsGradients`)."""
         return self._binding.gradient_buffers(self.lightning_module)
 
     def gradient_layout(self, parameters: Iterable[Tensor]) -> GradientLayout:
@@ -421,9 +421,8 @@ def _with_split(strategy: HybridParallelStrategy, trainer: pl.Trainer) -> Pipeli
     options = strategy.pipeline_options
     if options.layers_per_stage != AUTO:
         return options
-    module = strategy.lightning_module
     return balance_stages(
-        module.config, strategy.dims, options, trainer.datamodule,
+        strategy.lightning_module, strategy.dims, options, trainer.datamodule,
         strategy.root_device, strategy.precision_plugin,
     )  # fmt: skip
 

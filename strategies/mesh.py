@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from plugintrain.distributed import ExpertShape, ModelShape
-
-if TYPE_CHECKING:
-    from plugintrain.model_zoo import TransformerConfig
+from plugintrain.core.contracts import ExpertShape, ModelShape
 
 # Outermost first: pipeline stages talk least, tensor-parallel ranks most, so tp is the
 # innermost (fastest-varying, same-node) dimension, as in Megatron-LM and torchtitan.
@@ -175,7 +172,7 @@ class ParallelDims:
         """Whether the routed experts of MoE layers are split over more than one rank."""
         return self.expert_parallel > 1
 
-    def validate_model(self, config: TransformerConfig, seq_len: int | None = None) -> None:
+    def validate_model(self, config: ModelShape, seq_len: int | None = None) -> None:
         """Raise if ``config`` (and ``seq_len`` with SP) cannot be split ``tensor_parallel``
         ways, or its experts ``expert_parallel`` ways (:meth:`validate_experts`).
 

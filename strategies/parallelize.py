@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from plugintrain.distributed import (
+from plugintrain.core.contracts import (
     GradientLayout,
     GradientPiece,
     ParallelModule,
@@ -164,7 +164,7 @@ def prepare_model(
 
 def builds_on_meta(module: Any) -> bool:
     """Whether ``module`` can be built on the meta device and initialized shard by shard:
-    it implements :class:`~plugintrain.distributed.ShardFirstModule`. Asked before
+    it implements :class:`~plugintrain.core.contracts.ShardFirstModule`. Asked before
     ``configure_model``, so ``init_seed`` counts as a class attribute (``CausalLM``'s
     property, whose value exists only once the model is built) or an instance one."""
     has_seed = hasattr(type(module), "init_seed") or "init_seed" in vars(module)
@@ -207,7 +207,7 @@ def check_model_fits(
     ``dims``; needs no process group, so it runs before any process is launched.
 
     With tp > 1 or pp > 1 the module must implement
-    :class:`~plugintrain.distributed.ParallelModule`; heads, kv-heads, MLP width and
+    :class:`~plugintrain.core.contracts.ParallelModule`; heads, kv-heads, MLP width and
     vocabulary must divide by tp, and the sequence length too with sequence parallelism;
     with pp > 1 the layers must split into pp x vpp stages and the batch into
     ``microbatches``; with ep > 1 the model must have mixture-of-experts layers whose

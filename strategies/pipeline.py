@@ -1,6 +1,6 @@
 """Pipeline parallelism: stage splitting and one executor for every schedule.
 
-:func:`split_model` cuts any :class:`~plugintrain.distributed.StagedModel` (the zoo's
+:func:`split_model` cuts any :class:`~plugintrain.core.contracts.StagedModel` (the zoo's
 ``Transformer``, or a new family that implements the protocol) into this rank's virtual
 stages in place (torchtitan's layout: the ``layers`` ``ModuleDict`` keeps the full-model
 keys of the layers it still holds, and the embedding and head are dropped on the ranks
@@ -31,7 +31,7 @@ weights under ``bf16-true`` take bf16 inputs). Activations are freed as soon as
 their backward has run, a sent tensor as soon as the schedule proves it delivered (an
 answer from its receiver has arrived: ``release_points``), and gradients are received
 into reused buffers (one; two where a receive comes an action early). A model with an
-auxiliary loss (:class:`~plugintrain.distributed.HasAuxiliaryLoss`: mixture-of-experts
+auxiliary loss (:class:`~plugintrain.core.contracts.HasAuxiliaryLoss`: mixture-of-experts
 balance losses) has it taken after each training forward of a chunk and stashed with the
 output; its backward includes it, scaled as the loss is.
 
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from plugintrain.distributed import HasAuxiliaryLoss, StagedModel
+from plugintrain.core.contracts import HasAuxiliaryLoss, StagedModel
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline_schedules import (
     Action,
@@ -200,7 +200,7 @@ def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
 
 @dataclass
 class VirtualStage:
-    """One virtual stage of a split :class:`~plugintrain.distributed.StagedModel`: which of
+    """One virtual stage of a split :class:`~plugintrain.core.contracts.StagedModel`: which of
     the model's blocks it runs, and whether it embeds (first) or runs the head (last).
 
     Not a module: the modules stay registered on the split model, under their full-model
@@ -464,7 +464,7 @@ class PipelineExecutor:
         wire_dtype: Dtype of every activation and gradient on the wire.
         forward_context: Entered around each forward (the precision plugin's autocast).
         backward_context: Entered around each backward (``loss_parallel`` with tp).
-        record_range: Opens a named profiling range (:func:`plugintrain.profiling.record`)
+        record_range: Opens a named profiling range (:func:`plugintrain.core.profiling.record`)
             around each forward and backward and the wire's posts and waits; the default
             records nothing. Injected, so the executor runs without a profiler.
         activation_dtype: Received activations are cast to it before a stage runs on them:

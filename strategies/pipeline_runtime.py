@@ -20,7 +20,7 @@ schedule is done and their two copies' gradients are summed across stages; then 
 remaining reductions are waited for.
 
 A strategy holds ``None`` (no pipeline) or one runtime; the runtime needs only the
-:class:`~plugintrain.distributed.ParallelModule` contract of the module.
+:class:`~plugintrain.core.contracts.ParallelModule` contract of the module.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plugintrain import profiling
-from plugintrain.distributed import ModelShape, ParallelModule, StagedModel, check_contract
+from plugintrain.core import profiling
+from plugintrain.core.contracts import ModelShape, ParallelModule, StagedModel, check_contract
 from plugintrain.precision_plugins import precision_dtypes
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims

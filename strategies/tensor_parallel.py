@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from plugintrain.distributed import TensorParallelExtras
+from plugintrain.core.contracts import TensorParallelExtras
 
 # Styles that exist only to keep activations sharded over the sequence (or to undo it).
 SP_ONLY_STYLES = frozenset(
@@ -62,7 +62,7 @@ def _split_extras(
     mesh: DeviceMesh,
 ) -> None:
     """``split`` the Linear's weight and bias as torch does; parameters the module declares
-    beside them (:class:`~plugintrain.distributed.TensorParallelExtras`, a LoRA adapter)
+    beside them (:class:`~plugintrain.core.contracts.TensorParallelExtras`, a LoRA adapter)
     are split along their declared dims instead."""
     if name:  # a child of the layer (a LoRA adapter's dropout): nothing to split
         return

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from plugintrain.distributed import StagedModel
+from plugintrain.core.contracts import StagedModel
 from plugintrain.strategies.grad_engine import GradientEngine
 
 

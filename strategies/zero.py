@@ -4,7 +4,7 @@ They launch processes, detect torchrun/SLURM environments, shard the sampler and
 metrics exactly like Lightning's ``DDPStrategy`` (which they subclass), but replace torch's
 ``DistributedDataParallel`` wrapper with :class:`~plugintrain.strategies.GradientEngine`.
 Checkpoints are DCP directories written shard by shard from every rank (nothing gathered,
-:mod:`~plugintrain.strategies.checkpoint`), keyed by parameter name, so they resume under
+:mod:`~plugintrain.checkpoints.dcp`), keyed by parameter name, so they resume under
 any number of ranks and ZeRO stage, and under the ``hybrid`` and ``pipeline`` strategies.
 Single-file checkpoints of earlier versions (the whole optimizer state by name) still load.
 """
@@ -25,10 +25,10 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugintrain.distributed import CallsModelBuiltHooks, GradientLayout
-from plugintrain.resume import init_restarted_process_group
+from plugintrain.checkpoints.dcp import load_weights
+from plugintrain.core.contracts import CallsModelBuiltHooks, GradientLayout
+from plugintrain.core.elastic import init_restarted_process_group
 from plugintrain.strategies.blocks import BlockOptions
-from plugintrain.strategies.checkpoint import load_weights
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.grad_engine import (
     PARAMETER_SERVER,
@@ -55,7 +55,7 @@ class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
     """Lightning's ``DDPStrategy`` with our engine in place of torch's DDP wrapper.
 
     Every engine hook goes through one :class:`~plugintrain.strategies.engine_binding.
-    EngineBinding`. Implements :class:`plugintrain.distributed.GradientLayoutProvider`, so
+    EngineBinding`. Implements :class:`plugintrain.core.contracts.GradientLayoutProvider`, so
     plugintrain's precision plugins clip by the global norm and agree found-inf across the
     shards.
     """
@@ -96,7 +96,7 @@ class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
         return self._binding.engine
 
     def gradient_buffers(self) -> list[Tensor]:
-        """Where this rank's gradients are (:class:`~plugintrain.distributed.HoldsGradients`)."""
+        """Where this rank's gradients are (:class:`~plugintrain.core.contracts.HoldsGradients`)."""
         return self._binding.gradient_buffers(self.lightning_module)
 
     def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:

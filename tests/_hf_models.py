@@ -73,3 +73,14 @@ def randomize_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.05)
     return model.eval()
+
+
+def ours_from_hf(state_dict: dict[str, torch.Tensor], config: object) -> dict[str, torch.Tensor]:
+    """A whole Hugging Face state dict under our names, through ``config``'s family import
+    plan: what the weight readers do one tensor at a time."""
+    from plugintrain.model_zoo.families import family_of
+    from plugintrain.model_zoo.weight_plans import apply_plan
+
+    family = family_of(config)
+    named = {family.hf_key(key): value for key, value in state_dict.items()}
+    return apply_plan(family.hf_import_plan(config), named)

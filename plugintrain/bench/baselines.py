@@ -35,9 +35,9 @@ from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from plugintrain.bench.recorder import BenchRecorder, RankRecord, optimizer_tensors, storage_bytes
-from plugintrain.memory import LiveTensorMemory
-from plugintrain.peak_flops import device_peak_flops
-from plugintrain.profiling import device_seconds
+from plugintrain.core.memory import LiveTensorMemory
+from plugintrain.core.peak_flops import device_peak_flops
+from plugintrain.core.profiling import device_seconds
 
 
 class ZeroRedundancyAdamW(ZeroRedundancyOptimizer):

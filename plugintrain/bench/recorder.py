@@ -8,7 +8,7 @@ to the measured run. The baselines (:mod:`plugintrain.bench.baselines`) write th
 file through :class:`RankRecord`.
 
 Memory: on CUDA the allocator's peak over the timed steps; elsewhere one extra step after
-them runs under :class:`~plugintrain.memory.LiveTensorMemory`, which sees every tensor
+them runs under :class:`~plugintrain.core.memory.LiveTensorMemory`, which sees every tensor
 (the timed steps run without it: a dispatch mode slows every operator).
 """
 
@@ -27,10 +27,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.callbacks.throughput import _data_parallel_replicas
-from plugintrain.distributed import HoldsGradients
-from plugintrain.memory import LiveTensorMemory
-from plugintrain.peak_flops import device_peak_flops
-from plugintrain.profiling import device_seconds
+from plugintrain.core.contracts import HoldsGradients
+from plugintrain.core.memory import LiveTensorMemory
+from plugintrain.core.peak_flops import device_peak_flops
+from plugintrain.core.profiling import device_seconds
 
 
 @dataclass

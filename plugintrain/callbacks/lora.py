@@ -16,8 +16,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from plugintrain import lora
-from plugintrain.initialization import draw_seed
+from plugintrain.core.initialization import draw_seed
+from plugintrain.data.assets import PRETRAINED_MODELS
+from plugintrain.formats import lora_checkpoints, resolve
+from plugintrain.model_zoo import lora
 
 
 class LoRA(Callback):
@@ -108,7 +110,9 @@ class LoRA(Callback):
         base = base_name(pl_module)
         if base is not None and trainer.is_global_zero and self._base_hash is None:
             # Hashed beside the first steps (hashlib releases the GIL); needed at the first save.
-            self._base_hash = ThreadPoolExecutor(1).submit(lora.weights_sha256, _resolve(base))
+            self._base_hash = ThreadPoolExecutor(1).submit(
+                lora_checkpoints.weights_sha256, _resolve(base)
+            )
 
     def on_model_built(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Put the adapters in (once per module); plugintrain's strategies call this right
@@ -162,7 +166,9 @@ class LoRA(Callback):
             problem = f"the checkpoint lacks {missing[0]} ({len(missing)} trained tensors)"
         if problem is None and self._base_hash is not None:  # global rank 0 hashed the base
             try:
-                lora.check_base(record, base_name(pl_module), self._base_hash.result(), BASE_OPTION)
+                lora_checkpoints.check_base(
+                    record, base_name(pl_module), self._base_hash.result(), BASE_OPTION
+                )
             except ValueError as error:
                 problem = str(error)
         problem = trainer.strategy.broadcast(problem)  # every rank stops, not only rank 0
@@ -177,7 +183,6 @@ BASE_OPTION = "model.init_args.weights"
 def base_name(pl_module: pl.LightningModule) -> str | None:
     """The module's base weights as a checkpoint records them: a pretrained name as it
     is, a path made absolute (so tools find it from any directory); None without one."""
-    from plugintrain.data.assets import PRETRAINED_MODELS
 
     weights = getattr(pl_module, "weights", None)
     if weights is None or str(weights) in PRETRAINED_MODELS:
@@ -186,7 +191,7 @@ def base_name(pl_module: pl.LightningModule) -> str | None:
 
 
 def _spec_problem(record: dict[str, Any], spec: lora.LoRASpec) -> str | None:
-    difference = lora.spec_difference(record, spec)
+    difference = lora_checkpoints.spec_difference(record, spec)
     if difference is None:
         return None
     return (
@@ -197,7 +202,6 @@ def _spec_problem(record: dict[str, Any], spec: lora.LoRASpec) -> str | None:
 
 def _resolve(weights: str) -> str:
     """The path of ``weights`` (a pretrained name is fetched into the asset directory)."""
-    from plugintrain.formats import resolve
 
     return str(resolve(weights))
 
@@ -228,7 +232,9 @@ def resume_base(
         raise ValueError(f"{ckpt_path}: {problem}")
     base = weights or record["base"]
     if base is not None and verify:
-        lora.check_base(record, base, lora.weights_sha256(_resolve(base)), BASE_OPTION)
+        lora_checkpoints.check_base(
+            record, base, lora_checkpoints.weights_sha256(_resolve(base)), BASE_OPTION
+        )
     return base
 
 

@@ -1,6 +1,6 @@
 """PhaseProfiler: where each training step's time goes, per phase and rank.
 
-It turns on :mod:`plugintrain.profiling`'s ranges for the training steps it profiles,
+It turns on :mod:`plugintrain.core.profiling`'s ranges for the training steps it profiles,
 writes a Chrome trace per rank, and prints a per-phase table at the end of fit.
 """
 
@@ -17,8 +17,8 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from plugintrain import profiling
-from plugintrain.profiling import (
+from plugintrain.core import profiling
+from plugintrain.core.profiling import (
     BACKWARD,
     FORWARD,
     OPTIMIZER,
@@ -37,7 +37,7 @@ class PhaseProfiler(Callback):
     """Record plugintrain's phase ranges during training; trace and summarize them.
 
     Every strategy records its communication (gradient reduce / reduce-scatter, parameter
-    all-gather, pipeline transfers: :data:`plugintrain.profiling.PHASES`); this callback
+    all-gather, pipeline transfers: :data:`plugintrain.core.profiling.PHASES`); this callback
     adds ``train_step``, ``optimizer`` and, where Lightning's loop runs the step,
     ``forward`` and ``backward`` (a pipeline records those per micro-batch itself). At
     the end of fit each rank writes ``phases_rank<r>.json`` (Chrome trace-event format;
@@ -47,7 +47,7 @@ class PhaseProfiler(Callback):
 
     Ranges nest (``grad_reduce_scatter`` inside ``backward``, ``param_all_gather`` inside
     ``optimizer``), so shares add up to more than 100%. On CUDA every range synchronizes
-    the current stream at both ends (see :mod:`plugintrain.profiling`), which costs
+    the current stream at both ends (see :mod:`plugintrain.core.profiling`), which costs
     throughput while profiling; profile a few steps, not a whole run.
 
     Args:

@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from plugintrain.distributed import GradientLayoutProvider, default_gradient_layout
+from plugintrain.core.contracts import GradientLayoutProvider, default_gradient_layout
 from plugintrain.precision_plugins import FP16MixedPrecision
 
 GRAD_NORM = "grad_norm"
@@ -24,7 +24,7 @@ class StepStatsMonitor(Callback):
 
     - ``grad_norm``: the global L2 norm of the gradients the optimizer is about to step,
       before clipping, over every shard, stage and replica (the strategy's
-      :class:`~plugintrain.distributed.GradientLayoutProvider`), the norm
+      :class:`~plugintrain.core.contracts.GradientLayoutProvider`), the norm
       ``torch.nn.utils.clip_grad_norm_`` would return in one process; ``inf``/``nan`` on a
       step that FP16 skips for overflow.
     - ``loss_scale``: the loss scale this step's backward used (``16-mixed``); it halves
@@ -32,7 +32,7 @@ class StepStatsMonitor(Callback):
     - ``memory/peak_bytes``: the most bytes the CUDA caching allocator held for tensors
       during the batch (``torch.cuda.max_memory_allocated``, reset each batch), this rank.
       Not logged on CPU, where nothing cheap counts every tensor
-      (:class:`plugintrain.memory.LiveTensorMemory` does, at a cost fit for tests).
+      (:class:`plugintrain.core.memory.LiveTensorMemory` does, at a cost fit for tests).
 
     The norm costs a pass over the gradients and one small all-reduce on logging steps.
 

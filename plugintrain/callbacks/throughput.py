@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from plugintrain.peak_flops import device_peak_flops
+from plugintrain.core.peak_flops import device_peak_flops
 
 
 def _samples_in_batch(batch: Any) -> int:
@@ -43,7 +43,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     Training logs ``throughput/{tokens,samples,batches}_per_sec`` (tokens: the samples of
     inputs that are not token ids, e.g. images) over the world, the same per device under
     ``throughput/device/``, and, when the module exposes ``flops_per_batch`` and the
-    device's dense peak FLOP/s is known (:mod:`plugintrain.peak_flops`; CUDA),
+    device's dense peak FLOP/s is known (:mod:`plugintrain.core.peak_flops`; CUDA),
     ``throughput/mfu`` (a replica's FLOP/s over its devices' peak); the running totals are
     ``throughput/{time,tokens,samples,batches}``. Validation keeps Lightning's names
     (``validate/items_per_sec``, ...). Keeping
@@ -83,7 +83,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.kwargs["window_size"] = _timed_points(self.window_size, trainer.log_every_n_steps)
         super().setup(trainer, pl_module, stage)
-        # Dense peaks for CUDA devices (plugintrain.peak_flops), Lightning's elsewhere.
+        # Dense peaks for CUDA devices (plugintrain.core.peak_flops), Lightning's elsewhere.
         dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
         peak = device_peak_flops(trainer.strategy.root_device, dtype) or self.available_flops
         replicas = _data_parallel_replicas(trainer)

@@ -5,7 +5,7 @@ from plugintrain.data.hf_tokenizer import HFTokenizer
 from plugintrain.data.mnist import MNISTDataModule, read_idx, write_idx
 from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
 from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
-from plugintrain.data.token_bytes import TokenBytesSource, read_token_bytes, write_token_bytes
+from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
 from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule, TokenWindows
 from plugintrain.data.tokenizers import (
     TOKENIZER_NAMES,
@@ -24,7 +24,6 @@ __all__ = [
     "HFTokenizer",
     "MNISTDataModule",
     "ResumableSampler",
-    "TokenBytesSource",
     "TokenDataModule",
     "TokenFileError",
     "TokenWindows",

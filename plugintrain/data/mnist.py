@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from plugintrain.data._atomic import atomic_open
+from plugintrain.core.atomic_files import atomic_open
 from plugintrain.data._pinning import pin_memory_for
 
 # Mean and std of the MNIST training pixels scaled to [0, 1] (the torchvision constants).
@@ -30,7 +30,7 @@ def write_idx(path: str | Path, array: np.ndarray) -> Path:
     """Write a uint8 array as an IDX file (magic ``0 0 8 ndim``, big-endian dims), atomically."""
     array = np.ascontiguousarray(array, dtype=np.uint8)
     header = bytes([0, 0, _UBYTE, array.ndim]) + np.asarray(array.shape, ">i4").tobytes()
-    with atomic_open(path) as f:
+    with atomic_open(path, shared=True) as f:
         f.write(header)
         f.write(array.tobytes())
     return Path(path)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from plugintrain.data._atomic import atomic_open
+from plugintrain.core.atomic_files import atomic_open
 from plugintrain.data.assets import ASSETS, AssetError, fetch_asset
 from plugintrain.data.mnist import IDX_FILES, find_idx, load_split, write_idx
 from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
@@ -251,7 +251,7 @@ def _copy_fashion_idx(src: Path, out: Path) -> None:
     for name in IDX_FILES.values():
         _verify_fashion(src / f"{name}.gz", FASHION_MNIST_SHA256[name])
     for name in IDX_FILES.values():
-        with open(src / f"{name}.gz", "rb") as f, atomic_open(out / f"{name}.gz") as g:
+        with open(src / f"{name}.gz", "rb") as f, atomic_open(out / f"{name}.gz", shared=True) as g:
             shutil.copyfileobj(f, g)
     _remove_idx_variant(out, "")
 
@@ -318,5 +318,5 @@ def _has_idx_files(out: Path) -> bool:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with atomic_open(path) as f:
+    with atomic_open(path, shared=True) as f:
         f.write((json.dumps(data, indent=2) + "\n").encode())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plugintrain.data._atomic import atomic_open
+from plugintrain.core.atomic_files import atomic_open
 
 MAGIC = 20240520
 HEADER_INTS = 256
@@ -53,7 +53,7 @@ def write_token_bin(path: str | Path, tokens: np.ndarray | Sequence[int]) -> Pat
     version = _version_for(ids)
     header = np.zeros(HEADER_INTS, dtype=HEADER_DTYPE)
     header[:3] = (MAGIC, version, ids.size)
-    with atomic_open(path) as f:
+    with atomic_open(path, shared=True) as f:
         f.write(header.tobytes())
         f.write(ids.astype(TOKEN_DTYPES[version]).tobytes())
     return Path(path)

@@ -10,31 +10,19 @@ is all a model needs to know (models import no datamodule).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import numpy as np
-import torch
 
-from plugintrain.data._atomic import atomic_open
+from plugintrain.core.atomic_files import atomic_open
 
 TOKEN_BYTES_FILE = "token_bytes.npy"
 """File name of the table, beside ``train.bin``/``val.bin``: int32, one entry per id."""
 
 
-@runtime_checkable
-class TokenBytesSource(Protocol):
-    """Something that knows the UTF-8 bytes of text each token id stands for."""
-
-    @property
-    def token_bytes(self) -> torch.Tensor | None:
-        """Bytes per id, int ``(vocab_size,)`` (0 for special tokens); None if unknown."""
-        ...
-
-
 def write_token_bytes(data_dir: str | Path, counts: np.ndarray) -> Path:
     """Write the bytes-per-id table into ``data_dir``, atomically."""
     path = Path(data_dir) / TOKEN_BYTES_FILE
-    with atomic_open(path) as f:
+    with atomic_open(path, shared=True) as f:
         np.save(f, np.asarray(counts, dtype=np.int32), allow_pickle=False)
     return path
 

@@ -17,22 +17,13 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from plugintrain.checkpoint_files import shape_mismatch
-from plugintrain.lora import is_adapter_name
-from plugintrain.model_zoo import deepseek_v3, gpt2, llama3, qwen3, qwen3_moe
-from plugintrain.model_zoo.adapters import Plan
+from plugintrain.checkpoints.files import shape_mismatch
+from plugintrain.core.tensor_boxes import Box, local_box, select
 from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.families import family_of
+from plugintrain.model_zoo.lora import is_adapter_name
 from plugintrain.model_zoo.transformer import Transformer
-from plugintrain.tensor_boxes import Box, local_box, select
-
-FAMILIES = {
-    "gpt2": gpt2,
-    "llama3": llama3,
-    "qwen3": qwen3,
-    "deepseek_v3": deepseek_v3,
-    "qwen3_moe": qwen3_moe,
-}
-"""Model family -> its module (config mapping and import/export plans for Hugging Face)."""
+from plugintrain.model_zoo.weight_plans import Plan
 
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 """Buffers some Hugging Face checkpoints hold that are derived, not learned."""
@@ -84,15 +75,21 @@ class Weights:
         self.config = reader.config
         self.tokenizer = reader.tokenizer
         self.plan = (
-            plan
-            if plan is not None
-            else FAMILIES[reader.config.family].hf_import_plan(reader.config)
+            plan if plan is not None else family_of(reader.config).hf_import_plan(reader.config)
         )
 
     @property
     def path(self) -> Path:
         """The file or directory read."""
         return self.reader.path
+
+    def check_architecture(self, config: TransformerConfig) -> None:
+        """See :func:`check_architecture`."""
+        check_architecture(config, self)
+
+    def load_into(self, model: nn.Module, config: TransformerConfig | None = None) -> None:
+        """See :func:`load_into`."""
+        load_into(model, self, config)
 
     def names(self) -> list[str]:
         """Our tensor names, in the model's order."""

@@ -24,11 +24,14 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
-from plugintrain.checkpoint_files import first_line
+from plugintrain.checkpoints.files import first_line
+from plugintrain.data.assets import resolve_model_path
 from plugintrain.data.gguf_metadata import GGUFTensorInfo, is_gguf, read_gguf_header
-from plugintrain.formats.base import FAMILIES, WeightFormatError
-from plugintrain.model_zoo import gpt2, llama3, qwen3
+from plugintrain.data.tokenizers import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
+from plugintrain.formats.base import WeightFormatError
+from plugintrain.formats.gguf_vocabulary import gguf_vocabulary
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
+from plugintrain.model_zoo.families import FAMILIES, by_gguf_architecture, family_of
 from plugintrain.model_zoo.layers import rope_frequencies
 
 READ_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1,
@@ -96,10 +99,6 @@ class _Link:
         return permute_for_gguf(tensor, self.heads) if self.heads is not None else tensor
 
 
-ARCHITECTURES = {"llama3": "llama", "qwen3": "qwen3", "gpt2": "gpt2"}
-"""Our family -> its GGUF ``general.architecture``."""
-
-
 def _links(config: TransformerConfig, arch: str) -> dict[str, _Link]:
     """Hugging Face name -> its GGUF tensor, for every tensor of ``config``'s model."""
     return _gpt2_links(config) if arch == "gpt2" else _rope_links(config, arch)
@@ -155,7 +154,7 @@ class GGUFFileReader:
                 " export it again."
             ) from None
         self.arch = self._field("general.architecture")
-        if self.arch not in ARCHITECTURES.values():
+        if by_gguf_architecture(self.arch) is None:
             raise WeightFormatError(
                 f"{path}: GGUF architecture {self.arch!r} is not supported; plugintrain"
                 " imports 'llama' (Llama 2/3, SmolLM, ...), 'qwen3' (dense) and 'gpt2'."
@@ -196,8 +195,7 @@ class GGUFFileReader:
         width = self._field(f"{key}embedding_length")
         head_dim = self._field(f"{key}attention.key_length", width // heads)
         self._check_head_dims(key, head_dim)
-        family = llama3 if self.arch == "llama" else qwen3
-        config = family.from_hf_config(
+        config = by_gguf_architecture(self.arch).from_hf_config(
             {
                 "vocab_size": self._vocab_size(),
                 "max_position_embeddings": self._field(f"{key}context_length", 2048),
@@ -233,7 +231,7 @@ class GGUFFileReader:
 
     def _gpt2_config(self) -> TransformerConfig:
         key = "gpt2."
-        return gpt2.from_hf_config(
+        return FAMILIES["gpt2"].from_hf_config(
             {
                 "vocab_size": self._vocab_size(),
                 "n_positions": self._field(f"{key}context_length"),
@@ -329,7 +327,13 @@ def write_gguf(weights: Any, out: Path, kind: str) -> None:
     the tokenizer fields when the weights came from a GGUF with one, and each tensor in
     ``kind`` (:data:`WRITE_TYPES`; 1-D tensors stay F32), one tensor at a time."""
     config = weights.config
-    arch = ARCHITECTURES[config.family]
+    arch = family_of(config).gguf_architecture
+    if arch is None:
+        writable = sorted(s.name for s in FAMILIES.values() if s.gguf_architecture is not None)
+        raise WeightFormatError(
+            f"{config.name} ({config.family}) cannot be written as GGUF: plugintrain writes"
+            f" llama.cpp's architectures for {writable}; export it with --format hf instead."
+        )
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(config.name)
     _add_architecture(writer, arch, config)
@@ -408,10 +412,6 @@ def _add_tokenizer(writer: Any, config: TransformerConfig, tokenizer: str | None
     """The vocabulary llama.cpp needs to run the model: a GGUF source's tokenizer fields as
     they were, or GPT-2's / Llama 3's tokenizer spelled out when the model uses it. Types
     follow llama.cpp: token ids uint32, token types int32, scores float32."""
-    from plugintrain.data import family_tokenizer, get_tokenizer
-    from plugintrain.data.assets import resolve_model_path
-    from plugintrain.data.gguf_vocabulary import gguf_vocabulary
-    from plugintrain.data.tokenizers import TOKENIZER_NAMES
 
     spec = tokenizer or family_tokenizer(config.family)
     if spec in TOKENIZER_NAMES:
@@ -442,7 +442,7 @@ def _add_field(writer: Any, key: str, value: Any) -> None:
 def _gguf_plan(weights: Any, arch: str) -> dict[str, tuple[tuple[int, ...], Any]]:
     """GGUF name -> (shape in numpy order, a function reading that tensor)."""
     config = weights.config
-    plan = FAMILIES[config.family].hf_export_plan(config)
+    plan = family_of(config).hf_export_plan(config)
     links = _links(config, arch)
 
     def read(hf_name: str) -> Tensor:

@@ -17,9 +17,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from plugintrain.checkpoint_files import consecutive_groups, load_torch_file
-from plugintrain.formats.base import FAMILIES, WeightFormatError
+from plugintrain.checkpoints.files import consecutive_groups, load_torch_file
+from plugintrain.data.tokenizers import get_tokenizer
+from plugintrain.formats.base import WeightFormatError
 from plugintrain.formats.safetensors_io import DTYPES, write_safetensors
+from plugintrain.model_zoo.families import FAMILIES, by_hf_model_type, family_of
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -28,15 +30,6 @@ TORCH_BIN = "pytorch_model.bin"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MAX_SHARD_BYTES = 5 * 2**30
 """Hugging Face's default shard size: larger exports are split, with an index."""
-
-_MODEL_TYPES = {
-    "gpt2": "gpt2",
-    "llama": "llama3",
-    "qwen3": "qwen3",
-    "deepseek_v3": "deepseek_v3",
-    "qwen3_moe": "qwen3_moe",
-}
-"""Hugging Face ``model_type`` -> our family."""
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -55,18 +48,19 @@ class HFReader:
         self.path = path
         hf_config = _read_json(path / CONFIG)
         model_type = hf_config.get("model_type")
-        if model_type not in _MODEL_TYPES:
+        family = by_hf_model_type(model_type)
+        if family is None:
+            supported = sorted(spec.hf_model_type for spec in FAMILIES.values())
             raise WeightFormatError(
                 f"{path / CONFIG}: model_type {model_type!r} is not supported; plugintrain"
-                f" imports {sorted(_MODEL_TYPES)}."
+                f" imports {supported}."
             )
-        family = FAMILIES[_MODEL_TYPES[model_type]]
         try:
             self.config = family.from_hf_config(hf_config, path.name)
         except (KeyError, TypeError, ValueError) as error:
             raise WeightFormatError(f"{path / CONFIG}: {error}") from None
         self.tokenizer = str(path) if (path / "tokenizer.json").is_file() else None
-        self._normalize = family.hf_key if family is FAMILIES["gpt2"] else (lambda key: key)
+        self._normalize = family.hf_key
         self._open: dict[Path, Any] = {}
         self._files = self._locate()
 
@@ -151,7 +145,7 @@ def write_hf(
     not exist yet): ``config.json``, safetensors shards of at most ``max_shard_bytes``
     (with an index when there are several) and the tokenizer files when the weights came
     with a Hugging Face one. Tensors are built and written one at a time."""
-    family = FAMILIES[weights.config.family]
+    family = family_of(weights.config)
     tokenizer = _tokenizer(weights.tokenizer)  # resolved before anything is written
     plan = family.hf_export_plan(weights.config)
     shapes = {name: _planned_shape(weights, rule) for name, rule in plan.items()}
@@ -203,7 +197,6 @@ def _planned_shape(weights: Any, rule: Any) -> tuple[int, ...]:
 
 def _tokenizer(spec: str | None) -> Any:
     """The tokenizer the weights came with (None when they name none)."""
-    from plugintrain.data import get_tokenizer
 
     return None if spec is None else get_tokenizer(spec)
 

@@ -6,13 +6,14 @@ one line naming the value and the fix, and exit status 2.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import sys
 from argparse import Namespace
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plugintrain.data.assets import PRETRAINED_MODELS
 from plugintrain.tools._args import ToolParser
@@ -167,7 +168,7 @@ def _prompt_problem(prompt: list[int], args: Namespace, module: CausalLM) -> str
 def _newest_in(path: str | None) -> str | None:
     """A run's checkpoint directory (``runs/<recipe>/checkpoints``) means its newest
     complete checkpoint, as ``--ckpt_path last`` does for ``fit``; anything else itself."""
-    from plugintrain.checkpoint_files import newest_complete
+    from plugintrain.checkpoints.files import newest_complete
     from plugintrain.formats import detect_format
 
     if path is None or not Path(path).is_dir() or path in PRETRAINED_MODELS:
@@ -195,7 +196,6 @@ def load_causal_lm(path: str | Path) -> CausalLM:
     hyperparameters (JSON beside a directory's shards).
     """
     from plugintrain.formats import detect_format, open_weights
-    from plugintrain.formats.checkpoint import module_hparams
     from plugintrain.model_zoo import CausalLM
 
     hparams = {}
@@ -210,9 +210,9 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalL
     """The base model ``weights`` (default: the one the adapters were trained on, checked
     by sha256) with the LoRA adapters of the checkpoint ``adapter`` in it, merged into its
     weights if ``merge``."""
-    from plugintrain import lora
-    from plugintrain.formats import resolve
+    from plugintrain.formats import lora_checkpoints, resolve
     from plugintrain.formats.checkpoint import CheckpointReader
+    from plugintrain.model_zoo import lora
 
     record = CheckpointReader(Path(adapter)).lora
     if record is None or record["base"] is None:
@@ -221,9 +221,11 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalL
             f" file); pass it as --weights {adapter}"
         )
     base = weights or record["base"]
-    lora.check_base(record, base, lora.weights_sha256(resolve(base)), "--weights")
+    lora_checkpoints.check_base(
+        record, base, lora_checkpoints.weights_sha256(resolve(base)), "--weights"
+    )
     module = load_causal_lm(base)
-    lora.load_adapter(module, adapter)
+    lora_checkpoints.load_adapter(module, adapter)
     if merge:
         lora.merge(module)
     return module
@@ -232,7 +234,7 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalL
 def dcp_state_dict(path: str | Path) -> dict[str, Tensor]:
     """The model weights of a DCP checkpoint directory by full name, on the CPU (only the
     weights are read, never the optimizer state)."""
-    from plugintrain.strategies.checkpoint import read_weights
+    from plugintrain.checkpoints.dcp import read_weights
 
     return read_weights(Path(path))
 
@@ -297,3 +299,12 @@ def main(argv: Sequence[str]) -> int:
         parser.error(problem)
     _print_samples(module, tokenizer, prompt, args)
     return 0
+
+
+def module_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters ``CausalLM`` accepts (LightningCLI adds its own entries), with
+    the weights it was started from left out: the checkpoint holds newer ones."""
+    from plugintrain.model_zoo import CausalLM
+
+    accepted = inspect.signature(CausalLM).parameters
+    return {k: v for k, v in hparams.items() if k in accepted and k != "weights"}

@@ -1,7 +1,7 @@
 """``python -m plugintrain.tools.gpu_check`` (``make gpu-check``): one prepared check of the
 CUDA path on a machine with one GPU, in a few minutes.
 
-It runs :mod:`plugintrain.gpu_checks` (logits against the CPU for every model family,
+It runs :mod:`plugintrain.bench.gpu_checks` (logits against the CPU for every model family,
 training steps in each reduced precision, each strategy that fits one process against
 the CPU's losses, and GPT-2 124M / Llama 3.2 1B throughput with MFU and peak memory),
 prints one table and writes it as JSON. Exit status 0 when every check passed, 1 when one
@@ -56,7 +56,7 @@ def planned_checks(
     device: torch.device, sections: Sequence[str]
 ) -> list[tuple[str, str, Callable]]:
     """(section, name, check) triples to run on ``device``, in report order."""
-    from plugintrain import gpu_checks as checks
+    from plugintrain.bench import gpu_checks as checks
 
     plan = {
         "logits": (checks.FAMILIES, checks.logits_parity),
@@ -74,7 +74,7 @@ def planned_checks(
 def run_checks(device: torch.device, sections: Sequence[str]) -> list[dict]:
     """Run the planned checks; one that raises is a failed check naming its exception
     (the rest still run), with the traceback on stderr."""
-    from plugintrain.gpu_checks import Check, quiet
+    from plugintrain.bench.gpu_checks import Check, quiet
 
     quiet()
     rows = []

@@ -135,19 +135,27 @@ def main(argv: Sequence[str]) -> int:
 
 def _measured(args: argparse.Namespace, name: str) -> int:
     """Simulate with stage times measured on this machine; pick the split for ``auto``."""
-    from plugintrain.model_zoo import TransformerConfig
-    from plugintrain.strategies.balance import (
-        choose_split,
-        layer_costs_of_preset,
-        simulate_split,
-    )
+    import torch
+
+    from plugintrain.model_zoo import Transformer, TransformerConfig
+    from plugintrain.strategies.balance import choose_split, measure_one_block, simulate_split
 
     try:
-        n_layer = args.n_layer or TransformerConfig.from_name(args.model).n_layer
+        config = TransformerConfig.from_name(args.model)
+        n_layer = args.n_layer or config.n_layer
         if args.layers_per_stage != "auto":  # checked before anything is timed
             _counts(args.layers_per_stage, n_layer, args.pp * args.vpp)
-        costs, n_layer = layer_costs_of_preset(
-            args.model, n_layer, args.micro_batch_size, args.seq_len
+        if args.seq_len > config.block_size:
+            raise ValueError(
+                f"seq_len={args.seq_len} exceeds {args.model}'s block_size={config.block_size}"
+            )
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        costs = measure_one_block(
+            lambda: Transformer(config.one_block()),
+            config.vocab_size,
+            args.micro_batch_size,
+            args.seq_len,
+            device,
         )
         if args.layers_per_stage == "auto":
             balance = choose_split(costs, n_layer, args.pp, args.vpp, name, args.microbatches)

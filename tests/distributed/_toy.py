@@ -2,8 +2,8 @@
 
 Not the zoo's ``CausalLM``: its own module names (``embedding``, ``lm_head``,
 ``final_norm``, blocks of ``up``/``down``), its own shape dataclass and plan. ``ToyLM``
-implements :class:`plugintrain.distributed.ParallelModule` and ``ToyModel``
-:class:`~plugintrain.distributed.StagedModel`, nothing else. Its blocks save few
+implements :class:`plugintrain.core.contracts.ParallelModule` and ``ToyModel``
+:class:`~plugintrain.core.contracts.StagedModel`, nothing else. Its blocks save few
 activations, so a pipeline's boundary tensors are a visible share of its memory.
 """
 

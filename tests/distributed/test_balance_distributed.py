@@ -28,7 +28,8 @@ def _choose(rank: int, world_size: int) -> tuple[int, ...]:
     dims = ParallelDims(pipeline_parallel=2).with_world_size(2)
     options = PipelineOptions.resolve(dims, "1f1b", 4, "auto")
     data = SimpleNamespace(batch_size=8, seq_len=64)
-    chosen = balance.balance_stages(config, dims, options, data, torch.device("cpu"), None)
+    module = SimpleNamespace(config=config, one_block_model=lambda: None)
+    chosen = balance.balance_stages(module, dims, options, data, torch.device("cpu"), None)
     return chosen.layers_per_stage
 
 

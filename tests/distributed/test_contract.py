@@ -2,8 +2,8 @@
 
 ``ToyLM`` is not the zoo's ``CausalLM``: its own module names (``embedding``, ``lm_head``,
 ``final_norm``, blocks of ``up``/``down``), its own shape dataclass and plan. It implements
-:class:`plugintrain.distributed.ParallelModule` and its model
-:class:`~plugintrain.distributed.StagedModel`, nothing else; under ``hybrid`` with
+:class:`plugintrain.core.contracts.ParallelModule` and its model
+:class:`~plugintrain.core.contracts.StagedModel`, nothing else; under ``hybrid`` with
 tensor_parallel=2 and under ``pipeline`` with pipeline_parallel=2 it must give the
 losses and final weights of one plain process. One spawn of two ranks runs both.
 """
@@ -20,7 +20,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain.distributed import ParallelModule, StagedModel
+from plugintrain.core.contracts import ParallelModule, StagedModel
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import HybridParallelStrategy, PipelineStrategy
 

@@ -13,7 +13,7 @@ buckets make the engine split, pad and shard many buckets.
 
 **Activations, within 20%.** On the debug models (and one whose vocabulary is small, so
 the transformer blocks, not the logits, dominate), one process: the peak of live tensors
-during forward and backward (:class:`~plugintrain.memory.LiveTensorMemory`), minus what
+during forward and backward (:class:`~plugintrain.core.memory.LiveTensorMemory`), minus what
 was live before, against the estimator's activation bytes; also with recomputation.
 """
 
@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plugintrain.callbacks import LoRA
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.estimate import Layout, estimate
-from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import HybridParallelStrategy, ZeroStrategy

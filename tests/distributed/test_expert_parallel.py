@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from plugintrain.checkpoints.dcp import read_full
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig, deepseek_v3
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import (
@@ -48,7 +49,6 @@ from plugintrain.strategies import (
     vocab_parallel_loss,
 )
 from plugintrain.strategies.blocks import BlockOptions
-from plugintrain.strategies.checkpoint import read_full
 from plugintrain.strategies.mesh import data_parallel_mesh
 
 from _harness import run_distributed

@@ -6,7 +6,7 @@ parallel 2 with sequence parallelism), ``pipeline`` (2 stages, 1F1B) and ``hybri
 ZeRO-3 (FSDP2, frozen and trained parameters in one unit). Each layout must
 give the single process's per-step losses and final adapter weights, leave every frozen
 base weight bitwise as initialized, and let only the adapters reach gradients, the
-optimizer and the gradient engine. After training, ``plugintrain.lora.merge`` runs on
+optimizer and the gradient engine. After training, ``plugintrain.model_zoo.lora.merge`` runs on
 the tensor-parallel shards and the pipeline stages: it must communicate nothing, keep
 each rank's shard shape, and give the single process's merged weights.
 
@@ -42,16 +42,16 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from plugintrain import lora
 from plugintrain.callbacks import LoRA
 from plugintrain.callbacks.lora import resume_base
-from plugintrain.checkpoint_files import LIGHTNING_METADATA
-from plugintrain.lora import RECORD_KEY
-from plugintrain.model_zoo import CausalLM, TransformerConfig
+from plugintrain.checkpoints.dcp import read_weights
+from plugintrain.checkpoints.files import LIGHTNING_METADATA
+from plugintrain.checkpoints.lightning_io import SafeCheckpointIO
+from plugintrain.formats import lora_checkpoints
+from plugintrain.model_zoo import CausalLM, TransformerConfig, lora
+from plugintrain.model_zoo.lora import RECORD_KEY
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import HybridParallelStrategy, ZeroStrategy
-from plugintrain.strategies.checkpoint import read_weights
-from plugintrain.strategies.checkpoint_io import SafeCheckpointIO
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
 
@@ -554,7 +554,7 @@ def test_sharded_adapter_checkpoint_holds_only_adapters(runs: dict[str, Any], la
 
     meta = torch.load(path / LIGHTNING_METADATA, weights_only=True)
     record = meta[RECORD_KEY]
-    assert record["sha256"] == lora.weights_sha256(cases["base"])
+    assert record["sha256"] == lora_checkpoints.weights_sha256(cases["base"])
     assert record["base"] == str(cases["base"])
     assert sorted(record["adapted"]) == ADAPTED
     assert record["spec"]["r"] == RANK and list(record["spec"]["target_modules"]) == TARGETS

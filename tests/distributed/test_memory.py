@@ -47,7 +47,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain.memory import LiveTensorMemory
+from plugintrain.checkpoints.dcp import save_directory
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.strategies import (
     GradientEngine,
@@ -56,7 +57,7 @@ from plugintrain.strategies import (
     build_schedule,
     simulate,
 )
-from plugintrain.strategies.checkpoint import EngineCheckpoint, save_directory
+from plugintrain.strategies.engine_checkpoint import EngineCheckpoint
 from plugintrain.strategies.pipeline import VirtualStage, split_model
 
 from _harness import run_distributed

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from torch.utils.data import DataLoader
 
 from plugintrain.callbacks.precision_check import PrecisionCheck, tensor_stats
-from plugintrain.distributed import GradientLayout, GradientPiece, default_gradient_layout
+from plugintrain.core.contracts import GradientLayout, GradientPiece, default_gradient_layout
 from plugintrain.precision_plugins import FP16MixedPrecision, clip_grads_by_global_norm_
 from plugintrain.tools.compare import record_diverges
 

@@ -1,4 +1,4 @@
-"""Phase profiling (plugintrain.profiling, PhaseProfiler) and the TensorBoard tags.
+"""Phase profiling (plugintrain.core.profiling, PhaseProfiler) and the TensorBoard tags.
 
 One world of 2 gloo ranks runs every distributed case: the gradient engine at stages 0, 2
 and parameter server, the pipeline executor (1F1B and interleaved), a Lightning fit under
@@ -27,10 +27,10 @@ import yaml
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain import profiling
 from plugintrain.callbacks import PhaseProfiler
 from plugintrain.callbacks.phase_profiler import summary_table
 from plugintrain.cli import PluginTrainCLI
+from plugintrain.core import profiling
 from plugintrain.data.token_bin import write_token_bin
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision

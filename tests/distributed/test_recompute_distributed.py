@@ -5,7 +5,7 @@ dp=2) fits the same Llama-architecture CausalLM for a few SGD steps through Ligh
 with ``activation_checkpointing`` none, full and selective. Against one process without
 recomputation (Lightning's default strategy, the reference), the final weights match to
 fp32 tolerance: the same gradients every step. The first step's peak of live tensor
-bytes on each rank, measured by :class:`~plugintrain.memory.LiveTensorMemory`, falls from
+bytes on each rank, measured by :class:`~plugintrain.core.memory.LiveTensorMemory`, falls from
 none to selective to full. The model has 4 blocks, 2 per pipeline stage: a stage running
 one block with one micro-batch in flight cannot lower its peak, since the block's backward
 needs all of its activations at once, recomputed or kept. Processes start once; every
@@ -24,7 +24,7 @@ from _dtensors import full_params
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from plugintrain.memory import LiveTensorMemory
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import HybridParallelStrategy, PipelineStrategy, ZeroStrategy

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugintrain.strategies.checkpoint import read_weights
+from plugintrain.checkpoints.dcp import read_weights
 
 from _cli import RECIPES, REPO
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugintrain.tools.generate import dcp_state_dict
+from plugintrain.checkpoints.dcp import read_weights
 
 from _cli import RECIPES, REPO, logged_losses, run_cli
 
@@ -95,7 +95,7 @@ def test_weights_match_single_process_fit(
         tmp_path / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,
     )["state_dict"]
-    hybrid = dcp_state_dict(single_node / NAME / "checkpoints" / "last.ckpt")
+    hybrid = read_weights(single_node / NAME / "checkpoints" / "last.ckpt")
     assert set(hybrid) == set(single)  # every weight saved, and nothing else
     # tp sums row-parallel partial products in another order than one process (last-bit
     # fp32 differences); AdamW's normalized steps grow them to ~1e-5 where a gradient is
@@ -124,8 +124,8 @@ def test_compiled_resume_with_selective_recompute_equals_uninterrupted_run(
     )
     run_cli(*_fit_args(shakespeare_llama3, tmp_path, *extra), cwd=REPO)
     assert sorted(_losses(tmp_path)) == [2, 3]
-    resumed = dcp_state_dict(tmp_path / NAME / "checkpoints" / "last.ckpt")
-    uninterrupted = dcp_state_dict(single_node / NAME / "checkpoints" / "epoch=0-step=4.ckpt")
+    resumed = read_weights(tmp_path / NAME / "checkpoints" / "last.ckpt")
+    uninterrupted = read_weights(single_node / NAME / "checkpoints" / "epoch=0-step=4.ckpt")
     assert set(resumed) == set(uninterrupted)
     # Fused kernels and one replica instead of two round differently in the last bits.
     for name, weight in resumed.items():

@@ -14,10 +14,11 @@ import torch
 import transformers
 import yaml
 
-from plugintrain.checkpoint_files import load_torch_file
+from plugintrain.checkpoints.files import load_torch_file
 from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.data.token_bin import write_token_bin
-from plugintrain.lora import is_adapter_name, weights_sha256
+from plugintrain.formats.lora_checkpoints import weights_sha256
+from plugintrain.model_zoo.lora import is_adapter_name
 
 from _hf_models import random_hf_llama
 
@@ -236,7 +237,7 @@ def test_export_merged_loads_in_transformers(lora_run: dict[str, Any], tmp_path:
 def test_generate_takes_a_run_directory(lora_run: dict[str, Any], capsys) -> None:
     """``--adapter runs/<recipe>/checkpoints`` (what `make train` passes) samples from the
     newest complete checkpoint there."""
-    from plugintrain.checkpoint_files import newest_complete
+    from plugintrain.checkpoints.files import newest_complete
 
     directory = lora_run["checkpoint"].parent
     from_directory = _generate(capsys, "--adapter", str(directory))

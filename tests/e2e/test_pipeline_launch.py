@@ -18,9 +18,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from plugintrain.checkpoints.dcp import read_weights
 from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.data import get_tokenizer
-from plugintrain.tools.generate import dcp_state_dict
 
 from _cli import RECIPES, REPO, logged_losses, run_cli
 
@@ -102,7 +102,7 @@ def test_pipeline_weights_match_single_process_fit(
 ) -> None:
     single = _single_process_weights("gpt2_debug_shakespeare_cpu", shakespeare_gpt2, tmp_path, 8)
     last = pipeline_run / "gpt2_debug_pipeline_cpu" / "checkpoints" / "last.ckpt"
-    piped = dcp_state_dict(last)
+    piped = read_weights(last)
     # Every weight is saved under its full-model name; the last stage's copy of the tied
     # head is `output.weight`, equal to the first stage's embedding.
     assert set(piped) == set(single)
@@ -124,7 +124,7 @@ def test_four_d_recipe_matches_single_process(shakespeare_llama3: Path, tmp_path
         cwd=REPO,
     )
     last = save_dir / "llama3_debug_4d_cpu" / "checkpoints" / "last.ckpt"
-    four_d = dcp_state_dict(last)
+    four_d = read_weights(last)
     single = torch.load(
         single_dir / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,

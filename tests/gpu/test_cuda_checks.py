@@ -1,7 +1,7 @@
 """The gpu tier: the checks of ``make gpu-check`` as tests, on the first CUDA device.
 
 Deselected by default (pyproject's ``-m 'not gpu'``); ``pytest -m gpu`` runs them on a
-machine with a GPU. Each compares the device with the CPU (see :mod:`plugintrain.gpu_checks`).
+machine with a GPU. Each compares the device with the CPU (see :mod:`plugintrain.bench.gpu_checks`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugintrain import gpu_checks
+from plugintrain.bench import gpu_checks
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -45,7 +45,7 @@ def test_throughput_is_measured(preset: str) -> None:
     assert figures["tokens_per_s"] > 0 and figures["peak_bytes"] > 0, check.detail
     assert figures["loss"] is not None and figures["loss"] < 20, check.detail
     name = torch.cuda.get_device_name(CUDA)
-    from plugintrain.peak_flops import chip_of
+    from plugintrain.core.peak_flops import chip_of
 
     if chip_of(name) is not None:  # a chip in the dense-peak table has an MFU
         assert 0 < figures["mfu"] < 1, check.detail

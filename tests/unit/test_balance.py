@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from plugintrain.cli import main
-from plugintrain.model_zoo import TransformerConfig
+from plugintrain.model_zoo import Transformer, TransformerConfig
 from plugintrain.strategies import ParallelDims
 from plugintrain.strategies.balance import (
     LayerCosts,
@@ -99,7 +99,9 @@ def test_stage_times_follow_the_split() -> None:
 def test_measuring_leaves_the_random_state_and_builds_one_block() -> None:
     config = TransformerConfig.from_name("llama3-debug", vocab_size=512)
     before = torch.get_rng_state()
-    costs = measure_one_block(config, 2, 32, torch.device("cpu"))
+    costs = measure_one_block(
+        lambda: Transformer(config.one_block()), config.vocab_size, 2, 32, torch.device("cpu")
+    )
     assert torch.equal(torch.get_rng_state(), before)  # the run's init and data order
     assert all(t > 0 for part in (costs.embed, costs.block, costs.head) for t in part)
 

@@ -13,19 +13,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from plugintrain.checkpoint_files import (
+from plugintrain.checkpoints.dcp import read_full, read_weights, save_directory
+from plugintrain.checkpoints.files import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
     is_complete,
     load_torch_file,
     newest_complete,
-    publish,
     read_dcp_metadata,
     recover,
-    write_file_atomically,
 )
-from plugintrain.strategies.checkpoint import read_full, read_weights, save_directory
-from plugintrain.strategies.single_file_reader import SingleFileReader
+from plugintrain.checkpoints.single_file import SingleFileReader
+from plugintrain.core.atomic_files import publish, write_file_atomically
 
 
 class Payload:
@@ -143,7 +142,7 @@ def test_a_single_file_reads_as_the_directory_would(tmp_path):
     assert {"state_dict.w", "optimizer_0.state.w.exp_avg", "optimizer_0.param_groups.0.lr"} <= keys
     target = {"optimizer_0": {"state": {"w": {"exp_avg": torch.zeros(2, 3)}}}}
     # A rank that owns rows 2..3 asks for that box only.
-    from plugintrain.strategies.checkpoint import ShardBoxes, ShardLoadPlanner
+    from plugintrain.checkpoints.dcp import ShardBoxes, ShardLoadPlanner
 
     flat = torch.zeros(6)
     target["optimizer_0"]["state"]["w"]["exp_avg"] = ShardBoxes.of_range(torch.empty(4, 3), 6, flat)
@@ -195,7 +194,7 @@ def test_a_payload_among_the_saved_extras_is_refused(tmp_path):
 
 
 def test_a_payload_in_the_hyperparameters_json_cannot_run(tmp_path):
-    from plugintrain.strategies.checkpoint import HPARAMS_FILENAME, read_hparams
+    from plugintrain.checkpoints.dcp import HPARAMS_FILENAME, read_hparams
 
     marker, path = tmp_path / "ran", tmp_path / "last.ckpt"
     _directory_checkpoint(path)

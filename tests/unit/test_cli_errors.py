@@ -19,7 +19,7 @@ import pytest
 
 from plugintrain.callbacks import CountedFlopsSummary, StepProgressBar, display
 from plugintrain.cli import PluginTrainCLI, main
-from plugintrain.cli_usage import ConfigError, user_message
+from plugintrain.cli_messages import ConfigError, user_message
 from plugintrain.data import write_token_bin
 from plugintrain.strategies import STRATEGY_NAMES
 from plugintrain.tools.prepare import _parser as prepare_parser

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plugintrain.memory import LiveTensorMemory
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.model_zoo.cross_entropy import chunked_cross_entropy
 

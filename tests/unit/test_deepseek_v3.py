@@ -22,11 +22,12 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from plugintrain.cli import main
+from plugintrain.core.memory import LiveTensorMemory
+from plugintrain.core.tensor_boxes import select
 from plugintrain.data import write_token_bin
 from plugintrain.formats import WeightFormatError, convert, load_into, open_weights
 from plugintrain.formats.base import ARCHITECTURE_FIELDS
 from plugintrain.formats.hf import write_hf
-from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import (
     CausalLM,
     MLAConfig,
@@ -36,9 +37,8 @@ from plugintrain.model_zoo import (
     deepseek_v3,
     qwen3_moe,
 )
-from plugintrain.tensor_boxes import select
 
-from _hf_models import hub_state_dict, randomize_
+from _hf_models import hub_state_dict, ours_from_hf, randomize_
 
 VOCAB = 96
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -147,7 +147,7 @@ def test_hugging_face_weights_give_its_logits_and_gradients(variant: str) -> Non
     family = FAMILIES[config.family]
     hf = _hf_model(config)
     ours = Transformer(config)
-    ours.load_state_dict(family.from_hf_state_dict(hub_state_dict(hf), config))
+    ours.load_state_dict(ours_from_hf(hub_state_dict(hf), config))
     hf_logits, our_logits = _logits(hf), _logits(ours)
     torch.testing.assert_close(our_logits, hf_logits, atol=1e-5, rtol=1e-5)
     targets = torch.roll(TOKENS, -1, dims=1)
@@ -299,7 +299,7 @@ def test_greedy_generation_equals_transformers(variant: str) -> None:
     hf = _hf_model(config)
     lm = CausalLM(config)
     lm.configure_model()
-    lm.model.load_state_dict(FAMILIES[config.family].from_hf_state_dict(hub_state_dict(hf), config))
+    lm.model.load_state_dict(ours_from_hf(hub_state_dict(hf), config))
     lm.eval()
     prompt = TOKENS[:, :5]
     ours = lm.generate(prompt, max_new_tokens=10, temperature=0.0)

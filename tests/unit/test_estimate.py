@@ -12,8 +12,8 @@ import resource
 
 import pytest
 
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.estimate import Layout, estimate, fitting_layouts, parse_bytes
-from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import TransformerConfig
 from plugintrain.tools import TOOLS
 from plugintrain.tools.estimate import main

@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from plugintrain.cli import main
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.formats import WeightFormatError, convert, load_into, open_weights
-from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import Transformer
 
 VOCAB = 96

@@ -5,6 +5,8 @@ import torch
 
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 
+from _hf_models import ours_from_hf
+
 
 def _lm(preset: str) -> CausalLM:
     torch.manual_seed(0)
@@ -187,8 +189,6 @@ def test_top_k_sampling_equals_a_reference_sampler(preset, use_cache):
 def test_generate_equals_hugging_face_on_the_same_gpt2():
     import transformers  # test dependency (pyproject [test]), as in test_hf_parity.py
 
-    from plugintrain.model_zoo import gpt2
-
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(
         vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, initializer_range=0.2,
@@ -200,7 +200,7 @@ def test_generate_equals_hugging_face_on_the_same_gpt2():
     )
     lm = CausalLM(config)
     lm.configure_model()
-    lm.model.load_state_dict(gpt2.from_hf_state_dict(hf.state_dict(), config))
+    lm.model.load_state_dict(ours_from_hf(hf.state_dict(), config))
     lm.eval()
     prompt = _prompt()
     hf_args = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 12, "pad_token_id": 0}

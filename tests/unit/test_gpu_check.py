@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugintrain import gpu_checks
+from plugintrain.bench import gpu_checks
 from plugintrain.tools import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]

@@ -284,8 +284,8 @@ def test_sharded_save_refuses_a_remote_path_before_writing(tmp_path) -> None:
 @pytest.mark.usefixtures("world_of_one")
 def test_sharded_checkpoint_keeps_hyperparameters_as_json(tmp_path) -> None:
     """Tools rebuild the model from JSON beside the shards, never from the pickled meta.pt."""
+    from plugintrain.checkpoints.dcp import read_hparams, save_directory
     from plugintrain.model_zoo import TransformerConfig
-    from plugintrain.strategies.checkpoint import read_hparams, save_directory
 
     config = TransformerConfig.from_name("llama3-debug", n_layer=2)  # with rope scaling
     model = _mlp()

@@ -3,8 +3,10 @@
 import torch
 import transformers  # test dependency (pyproject [test]); models built from config only
 
-from plugintrain.model_zoo import RopeScaling, Transformer, TransformerConfig, gpt2, llama3
+from plugintrain.model_zoo import RopeScaling, Transformer, TransformerConfig, llama3
 from plugintrain.model_zoo.layers import rope_frequencies
+
+from _hf_models import ours_from_hf
 
 
 def _assert_same_logits(hf_model, ours: Transformer, vocab_size: int) -> None:
@@ -33,7 +35,7 @@ def test_gpt2_matches_hugging_face():
         "gpt2-debug", vocab_size=96, block_size=64, n_embd=32, n_layer=2, n_head=4
     )
     ours = Transformer(config)
-    ours.load_state_dict(gpt2.from_hf_state_dict(hf_model.state_dict(), config))
+    ours.load_state_dict(ours_from_hf(hf_model.state_dict(), config))
     _assert_same_logits(hf_model, ours, config.vocab_size)
 
 
@@ -93,7 +95,7 @@ def test_llama3_matches_hugging_face():
     )
     hf_model = transformers.LlamaForCausalLM(hf_config)
     ours = Transformer(config)
-    ours.load_state_dict(llama3.from_hf_state_dict(hf_model.state_dict(), config))
+    ours.load_state_dict(ours_from_hf(hf_model.state_dict(), config))
     _assert_same_logits(hf_model, ours, config.vocab_size)
 
 
@@ -111,7 +113,7 @@ def test_llama3_adapter_ties_output_to_embeddings():
         )
     )
     sd = {k: v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
-    converted = llama3.from_hf_state_dict(sd, config)
+    converted = ours_from_hf(sd, config)
     assert converted["output.weight"] is converted["tok_embeddings.weight"]
     Transformer(config).load_state_dict(converted)
 
@@ -128,5 +130,5 @@ def test_llama3_with_a_head_size_apart_from_the_width_matches_hugging_face():
     config = llama3.from_hf_config(hf_config.to_dict(), "llama-wide-heads")
     assert (config.head_size, config.head_dim, config.n_embd) == (32, 32, 64)
     ours = Transformer(config)
-    ours.load_state_dict(llama3.from_hf_state_dict(hf_model.state_dict(), config))
+    ours.load_state_dict(ours_from_hf(hf_model.state_dict(), config))
     _assert_same_logits(hf_model, ours, config.vocab_size)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugintrain.initialization import CHUNK, normal_box_, seeded_normal_
-from plugintrain.tensor_boxes import flat_boxes
+from plugintrain.core.initialization import CHUNK, normal_box_, seeded_normal_
+from plugintrain.core.tensor_boxes import flat_boxes
 
 SHAPE = (1500, 1601)  # 2.4 Mi elements: three generator chunks, rows straddling them
 

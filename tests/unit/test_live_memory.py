@@ -8,7 +8,7 @@ import io
 
 import torch
 
-from plugintrain.memory import LiveTensorMemory
+from plugintrain.core.memory import LiveTensorMemory
 
 MIB = 2**20
 

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from plugintrain.data import TokenDataModule, get_tokenizer, write_token_bin, write_token_bytes
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig
-from plugintrain.model_zoo.lm import BitsPerByte
+from plugintrain.model_zoo.metrics import BitsPerByte
 
 
 def _config(preset: str = "gpt2-debug") -> TransformerConfig:

@@ -16,10 +16,9 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain import lora
 from plugintrain.callbacks import LoRA
-from plugintrain.lora import LoRALinear, LoRASpec
-from plugintrain.model_zoo import CausalLM, TransformerConfig
+from plugintrain.model_zoo import CausalLM, TransformerConfig, lora
+from plugintrain.model_zoo.lora import LoRALinear, LoRASpec
 from plugintrain.precision_plugins import FP32Precision
 
 VOCAB = 64

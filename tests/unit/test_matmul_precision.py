@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from plugintrain.cli import PluginTrainCLI, main
+from plugintrain.core.peak_flops import device_peak_flops
 from plugintrain.data import write_token_bin
-from plugintrain.peak_flops import device_peak_flops
 
 REPO = Path(__file__).resolve().parents[2]
 GPT2_RECIPE = REPO / "recipes" / "gpt2_debug_shakespeare_cpu.yaml"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from plugintrain.distributed import ParallelModule, StagedModel, check_contract
+from plugintrain.core.contracts import ParallelModule, StagedModel, check_contract
 from plugintrain.model_zoo import (
     CausalLM,
     MNISTClassifier,
@@ -133,7 +133,7 @@ def _strategy_on(devices: int, **kwargs: object) -> HybridParallelStrategy:
 def test_model_parallel_layouts_name_what_a_module_lacks() -> None:
     expected = (
         r"HybridParallelStrategy\(tensor_parallel=2, pipeline_parallel=1\) needs MNISTClassifier"
-        r" to implement plugintrain.distributed.ParallelModule; it lacks config, model, tp_plan,"
+        r" to implement plugintrain.core.contracts.ParallelModule; it lacks config, model, tp_plan,"
         r" loss_fn, record_loss\."
     )
     with pytest.raises(TypeError, match=expected):

@@ -122,7 +122,7 @@ def test_statistics_are_exact_over_chunks(monkeypatch) -> None:
 
 def test_no_whole_fp64_copy_exists(monkeypatch) -> None:
     from plugintrain.callbacks import precision_check
-    from plugintrain.memory import LiveTensorMemory
+    from plugintrain.core.memory import LiveTensorMemory
 
     values = torch.randn(4096, dtype=torch.bfloat16)
     monkeypatch.setattr(precision_check, "_CHUNK", 64)

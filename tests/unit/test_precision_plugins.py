@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain.distributed import AutocastSwitch, default_gradient_layout
+from plugintrain.core.contracts import AutocastSwitch, default_gradient_layout
 from plugintrain.precision_plugins import (
     PRECISION_PLUGINS,
     BF16MixedPrecision,

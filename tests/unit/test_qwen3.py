@@ -21,7 +21,9 @@ from plugintrain.cli import main
 from plugintrain.formats import load_into, open_weights
 from plugintrain.formats.base import ARCHITECTURE_FIELDS
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig, gpt2, llama3, qwen3
-from plugintrain.model_zoo.adapters import apply_plan
+from plugintrain.model_zoo.weight_plans import apply_plan
+
+from _hf_models import ours_from_hf
 
 VOCAB = 96
 TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -77,7 +79,7 @@ def test_hugging_face_weights_give_its_logits(variant: str) -> None:
     config = _config(**VARIANTS[variant])
     hf = _hf_model(config)
     ours = Transformer(config)
-    ours.load_state_dict(qwen3.from_hf_state_dict(hf.state_dict(), config))
+    ours.load_state_dict(ours_from_hf(hf.state_dict(), config))
     torch.testing.assert_close(_logits(ours), _logits(hf), atol=1e-5, rtol=1e-5)
 
 

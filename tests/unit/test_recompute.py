@@ -3,7 +3,7 @@ process, against the same model without them (plain autograd, the reference).
 
 Gradients must match exactly enough for fp32 (recomputation replays the same operators,
 dropout included), parameter names must not change, and the peak of live tensor bytes
-measured by :class:`~plugintrain.memory.LiveTensorMemory` (which sees every tensor) must
+measured by :class:`~plugintrain.core.memory.LiveTensorMemory` (which sees every tensor) must
 fall: full below selective below none. The distributed layouts (tp, pp, FSDP2, ZeRO) are
 in ``tests/distributed/test_recompute_distributed.py``.
 """
@@ -23,9 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from plugintrain.cli import main
+from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.data import write_token_bin
 from plugintrain.data.mnist import write_idx
-from plugintrain.memory import LiveTensorMemory
 from plugintrain.model_zoo import Transformer, TransformerConfig
 from plugintrain.strategies import BlockOptions, HybridParallelStrategy, ZeroStrategy
 from plugintrain.strategies.blocks import _selective_policy, is_recomputed, transformer_blocks

@@ -14,16 +14,16 @@ import torch
 from test_checkpoint_files import Payload
 from test_cli_errors import GPT2_RECIPE, _token_dir
 
-from plugintrain.checkpoint_files import PARTIAL_SUFFIX, RETIRED_SUFFIX
-from plugintrain.cli import main
-from plugintrain.model_zoo import CausalLM
-from plugintrain.portable_checkpoints import (
+from plugintrain.checkpoints.portable import (
     check_weight_shapes,
     group_names,
     is_position_keyed,
     to_positions,
 )
-from plugintrain.resume import reconcile, resolve_ckpt_path
+from plugintrain.checkpoints.resume import reconcile, resolve_ckpt_path
+from plugintrain.cli import main
+from plugintrain.core.atomic_files import PARTIAL_SUFFIX, RETIRED_SUFFIX
+from plugintrain.model_zoo import CausalLM
 
 HPARAMS = {"_class_path": "plugintrain.model_zoo.CausalLM", "config": "gpt2-debug"}
 

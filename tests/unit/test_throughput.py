@@ -20,8 +20,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from plugintrain.callbacks import TokenThroughputMonitor, throughput
 from plugintrain.callbacks.throughput import _timed_points, _tokens_in_batch
+from plugintrain.core.peak_flops import dense_peak_flops
 from plugintrain.model_zoo import CausalLM, TransformerConfig
-from plugintrain.peak_flops import dense_peak_flops
 from plugintrain.precision_plugins import BF16MixedPrecision, FP32Precision
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from plugintrain.data import TokenBytesSource, TokenDataModule, write_token_bin, write_token_bytes
+from plugintrain.core.contracts import TokenBytesSource
+from plugintrain.data import TokenDataModule, write_token_bin, write_token_bytes
 from plugintrain.tools.prepare import _parser as prepare_parser
 
 T, B = 4, 2

@@ -1,15 +1,9 @@
-"""Checkpoints on disk: published atomically, found by completeness, read without running code.
+"""Checkpoints on disk: found by completeness, cleaned up after a kill, read without running code.
 
-Every checkpoint plugintrain writes (one file, or a DCP directory of shards) is written
-under a temporary name beside its final one and renamed into place only when complete,
-so a job killed mid-save leaves the previous checkpoint intact and loadable:
-
-- **Files** go to ``<name>.partial``, are flushed to disk, then ``os.replace``\\ d onto
-  ``<name>`` (atomic on POSIX).
-- **Directories** are written as ``<name>.partial/``; publishing renames an existing
-  ``<name>`` to ``<name>.retired``, the new one into place, and then deletes the retired
-  one. A kill between the two renames leaves ``<name>.retired`` complete and no
-  ``<name>``; :func:`recover` (run at every start) renames it back.
+Every checkpoint plugintrain writes (one file, or a DCP directory of shards) is published
+atomically (:mod:`plugintrain.core.atomic_files`), so a job killed mid-save leaves the
+previous checkpoint intact; :func:`recover` (run at every start) finishes or undoes what a
+killed save left.
 
 Nothing here unpickles freely: torch files are read with ``weights_only=True`` (tensors and
 plain containers only), and DCP's ``.metadata`` (a pickle torch writes) with an
@@ -21,17 +15,16 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePath
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
+from plugintrain.core.atomic_files import PARTIAL_SUFFIX, RETIRED_SUFFIX, remove
+
 T = TypeVar("T")
 
-PARTIAL_SUFFIX = ".partial"
-RETIRED_SUFFIX = ".retired"
 DCP_METADATA = ".metadata"
 LIGHTNING_METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a directory
 SOURCE_KEY = "plugintrain_loaded_from"
@@ -47,42 +40,6 @@ class UnsafeCheckpointError(ValueError):
 
 class CorruptCheckpointError(ValueError):
     """A checkpoint file is truncated or not a checkpoint at all."""
-
-
-def sibling(path: Path, suffix: str) -> Path:
-    """``<path><suffix>`` in the same directory (``last.ckpt`` -> ``last.ckpt.partial``)."""
-    return path.with_name(path.name + suffix)
-
-
-def write_file_atomically(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write ``path`` through ``write(stream)``: to ``<path>.partial``, fsynced, then moved
-    onto ``path`` so readers see the old checkpoint or the whole new one, never a part."""
-    partial = sibling(path, PARTIAL_SUFFIX)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(partial, "wb") as stream:
-        write(stream)
-        stream.flush()
-        os.fsync(stream.fileno())
-    publish(partial, path)
-
-
-def publish(partial: Path, path: Path) -> None:
-    """Move the complete file or directory ``partial`` to ``path``, replacing what is there.
-
-    One ``os.replace`` where it can (a file over a file); otherwise (a directory on either
-    side) the old one is first renamed to ``<path>.retired`` and deleted afterwards.
-    """
-    if not path.is_dir() and not partial.is_dir():
-        os.replace(partial, path)
-    else:
-        retired = sibling(path, RETIRED_SUFFIX)
-        remove(retired)
-        if path.exists():
-            os.replace(path, retired)
-        os.replace(partial, path)
-        _fsync_directory(path.parent)
-        remove(retired)
-    _fsync_directory(path.parent)
 
 
 def recover(directory: Path) -> list[str]:
@@ -111,7 +68,7 @@ def recover(directory: Path) -> list[str]:
 
 def is_complete(path: Path) -> bool:
     """Whether ``path`` is a published checkpoint: a file, or a directory with both
-    metadata files (directories of older plugintrain versions were written in place)."""
+    metadata files."""
     if path.name.endswith((PARTIAL_SUFFIX, RETIRED_SUFFIX)):
         return False
     if path.is_dir():
@@ -257,14 +214,6 @@ def check_shard_files(directory: Path, storage_data: dict[Any, Any]) -> None:
             )
 
 
-def remove(path: Path) -> None:
-    """Delete a checkpoint file or directory, if there."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def consecutive_groups(items: Iterable[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
     """``items`` in order, cut into groups of at most ``limit`` bytes by ``size(item)`` (an
     item larger than ``limit`` gets a group of its own): a checkpoint's shard files."""
@@ -278,26 +227,3 @@ def consecutive_groups(items: Iterable[T], size: Callable[[T], int], limit: int)
         groups[-1].append(item)
         total += nbytes
     return groups
-
-
-def fsync_tree(path: Path) -> None:
-    """Flush a file, or every file of a directory and the directory, to disk: what
-    :func:`publish` needs of an output written without :func:`write_file_atomically`."""
-    for file in sorted(path.rglob("*")) if path.is_dir() else [path]:
-        if file.is_file():
-            with open(file, "rb") as stream:
-                os.fsync(stream.fileno())
-    if path.is_dir():
-        _fsync_directory(path)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

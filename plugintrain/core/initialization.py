@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from plugintrain.tensor_boxes import Box, flat_boxes, intersect, local_box, select
+from plugintrain.core.tensor_boxes import Box, flat_boxes, intersect, local_box, select
 
 CHUNK = 1 << 20
 """Elements drawn per generator: 4 MiB of fp32 at a time, whatever the tensor's size."""

@@ -11,9 +11,9 @@ a sharded save writes, and serves each requested box from the file memory-mapped
 touches only the pages of what it owns.
 
 Position-keyed optimizer state gets its names from the file's ``optimizer_param_names``
-(written beside it by :class:`~plugintrain.portable_checkpoints.PortableCheckpoints`);
-older engine files keyed it by name already; otherwise ``fallback_names`` (the loading
-optimizer's own order, right when it steps the whole model) are used if they fit.
+(written beside it by :class:`~plugintrain.checkpoints.portable.PortableCheckpoints`),
+else ``fallback_names`` (the loading optimizer's own order, right when it steps the whole
+model, as for a checkpoint Lightning's own ``ddp`` wrote) if they fit.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from plugintrain.checkpoint_files import OPTIMIZER_NAMES_KEY, load_torch_file
+from plugintrain.checkpoints.files import OPTIMIZER_NAMES_KEY, load_torch_file
 
 GroupNames = list[list[str]]
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from plugintrain.checkpoint_files import OPTIMIZER_NAMES_KEY, SOURCE_KEY, shape_mismatch
+from plugintrain.checkpoints.files import OPTIMIZER_NAMES_KEY, SOURCE_KEY, shape_mismatch
 
 
 def group_names(module: nn.Module, optimizer: Optimizer) -> list[list[str]]:

@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import hashlib
-import json
 import math
 import re
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from plugintrain.initialization import seeded_normal_, seeded_uniform_
+from plugintrain.core.initialization import seeded_normal_, seeded_uniform_
 
 RECORD_KEY = "lora"
 """Where a LoRA run's checkpoint keeps the adapters' spec and the base they were trained on."""
@@ -90,7 +87,7 @@ class LoRALinear(nn.Linear):
     def tp_placements(self, kind: str) -> dict[str, int | None]:
         """How the adapter splits when this layer is split ``kind`` (``colwise`` or
         ``rowwise``) over tensor-parallel ranks: the dim of each parameter, None for
-        replicated (see :class:`plugintrain.distributed.TensorParallelExtras`)."""
+        replicated (see :class:`plugintrain.core.contracts.TensorParallelExtras`)."""
         if kind == "colwise":
             return {"lora_A": None, "lora_B": 0}
         return {"lora_A": 1, "lora_B": None}
@@ -309,7 +306,7 @@ def init_adapters(module: nn.Module, seed: int, init: str = "kaiming") -> None:
     and ``A`` Kaiming-uniform (``U(-1/sqrt(in), 1/sqrt(in))``, PyTorch's Linear init and
     the reference implementation's) or Gaussian (standard deviation ``1/r``, as PEFT
     draws it). Values derive from ``(seed, path)`` only
-    (:mod:`plugintrain.initialization`), so a rank that holds a shard of ``A`` draws just
+    (:mod:`plugintrain.core.initialization`), so a rank that holds a shard of ``A`` draws just
     its part of what one process draws."""
     for path, layer in adapted_layers(module):
         key = f"{path}.lora_A"
@@ -351,108 +348,3 @@ def unmerge(module: nn.Module) -> int:
     for _, layer in layers:
         layer.unmerge()
     return len(layers)
-
-
-@torch.no_grad()
-def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
-    """Put the adapters of the adapter checkpoint at ``path`` (a LoRA run's ``.ckpt`` file
-    or DCP directory) into ``module`` (the LightningModule holding the base model, its
-    base weights loaded; unmerged), with the tensors the run trained; returns their spec.
-    The caller checks the base (:func:`check_base`).
-
-    Raises:
-        ValueError: If ``path`` holds no adapters, or not those of this model.
-    """
-    from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
-
-    reader = CheckpointReader(Path(path))
-    if reader.lora is None:
-        raise ValueError(
-            f"{path} holds no LoRA adapters (it is a whole model's checkpoint); pass it as the"
-            " model's weights instead"
-        )
-    spec = LoRASpec.from_record(reader.lora["spec"])
-    inject(module, spec)
-    params = dict(module.named_parameters())
-    saved = set(reader.names())
-    missing = sorted(
-        n for n, p in params.items() if p.requires_grad and n.removeprefix(PREFIX) not in saved
-    )
-    if missing:
-        raise ValueError(
-            f"{path} lacks {missing[0]} (and {len(missing) - 1} more) of the tensors its LoRA"
-            " spec trains: a damaged checkpoint; pass the one its run wrote last"
-        )
-    for name in saved:
-        params[f"{PREFIX}{name}"].copy_(reader.read(name))
-    return spec
-
-
-_DIGESTS: dict[tuple, str] = {}
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".ckpt", ".pt", ".distcp", ".metadata")
-"""What :func:`weights_sha256` reads of a directory: its weight, config and tokenizer files
-(not a README, and nothing in subdirectories, such as a download tool's cache)."""
-
-
-def weights_sha256(path: str | Path) -> str:
-    """sha256 of a weights file, or of a directory's top-level weight, config and tokenizer
-    files (:data:`WEIGHT_SUFFIXES`; each one's name, then its bytes, in sorted order): what
-    an adapter checkpoint records of the base it was trained on. Remembered per process
-    while no file changes.
-
-    Raises:
-        FileNotFoundError: If ``path`` does not exist.
-    """
-    root = Path(path).resolve()
-    if not root.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory (the LoRA base weights)")
-    if root.is_file():
-        files = [root]
-    else:
-        files = sorted(
-            p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
-        )
-    key = (root, *((f, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if key not in _DIGESTS:
-        digest = hashlib.sha256()
-        for file in files:
-            if file != root:
-                digest.update(file.name.encode() + b"\0")
-            with file.open("rb") as handle:
-                while chunk := handle.read(1 << 23):
-                    digest.update(chunk)
-        _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
-
-
-def check_base(record: dict, base: str | None, digest: str, option: str | None) -> None:
-    """Raise unless ``digest`` (of the base weights ``base``) is the sha256 that the adapter
-    checkpoint's ``record`` was trained on; ``option`` is where the user names the base
-    (``model.init_args.weights``, ``--weights``), None where only the record names it."""
-    if record.get("sha256") is None:
-        raise ValueError(
-            f"the adapter checkpoint records no sha256 of its base {record.get('base')}; pass"
-            " one written by a LoRA run of this plugintrain"
-        )
-    if record["sha256"] != digest:
-        raise ValueError(
-            f"the adapters were trained on base weights {record['base']} (sha256"
-            f" {record['sha256'][:12]}...), but {base} has sha256 {digest[:12]}...; "
-            + (
-                f"set {option} to {record['base']}"
-                if option is not None
-                else f"put the base they were trained on back at {record['base']}"
-            )
-        )
-
-
-def spec_difference(record: dict, spec: LoRASpec) -> str | None:
-    """The first field in which ``spec`` differs from the spec an adapter checkpoint's
-    ``record`` was trained with, as ``field: saved (this run: value)``; None if none."""
-    saved = LoRASpec.from_record(record["spec"]).record()
-    for field, value in spec.record().items():
-        if saved[field] != value:
-            return f"{field}: {json.dumps(saved[field])} (this run: {json.dumps(value)})"
-    return None

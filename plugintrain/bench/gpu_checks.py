@@ -10,7 +10,7 @@ Everything else in this project was tested on the CPU, so the CPU is the referen
   ``zero1``, ``zero2``, and ``hybrid`` and ``pipeline`` degenerate at world size 1) gives
   the losses of a plain CPU run, step by step;
 - :func:`throughput`: ``gpt2-124m`` and ``llama3.2-1b`` (random weights) in ``bf16-mixed``:
-  tokens/s, MFU against the dense bf16 peak (:mod:`plugintrain.peak_flops`) and peak
+  tokens/s, MFU against the dense bf16 peak (:mod:`plugintrain.core.peak_flops`) and peak
   memory from the CUDA allocator.
 
 Each function takes the device, so the same code runs on the CPU (where a comparison is

@@ -1,37 +1,22 @@
-"""Checkpoints of the engine-backed strategies: DCP directories written shard by shard.
+"""Sharded checkpoints as torch.distributed.checkpoint (DCP) directories, written shard by shard.
 
-Model weights and optimizer state are saved with torch.distributed.checkpoint (DCP) under
-full-model parameter names, so they reload under any dp x tp x pp (x vpp) layout and ZeRO
-stage, and in one process. Nothing is gathered to one rank:
+Model weights and optimizer state are saved under full-model parameter names, so they
+reload under any dp x tp x pp (x vpp) layout and in one process. Nothing is gathered to
+one rank: a rank writes the boxes of each tensor it holds (:class:`ShardBoxes`: a
+DTensor's shard, or the ranges of a ZeRO shard, from
+:func:`plugintrain.core.tensor_boxes.flat_boxes`), and on load asks for the boxes it holds
+under the new layout; DCP reads the overlapping parts of whatever chunks were saved.
 
-- **Saved.** Each rank writes, for each parameter its optimizer steps, the flat range it
-  owns (its ZeRO shard of its tp shard) as the few boxes of the parameter-shaped tensor
-  that the range covers (:class:`ShardBoxes`, from
-  :func:`plugintrain.tensor_boxes.flat_boxes`). DCP records them as chunks of one tensor
-  per state key (``optimizer_0.state.<name>.exp_avg``), exactly as it records a DTensor's
-  shards. ZeRO-0 replicas write identical chunks, which DCP keeps once.
-- **Loaded.** Each rank asks for the boxes of the ranges it owns under the new layout;
-  DCP's planner reads the overlapping parts of whatever chunks the saving layout wrote
-  (resharding). A tied head's state is found under either name of the pair.
-- **Memory.** The boxes are views of the optimizer's own flat state tensors (on load, of
-  the tensors that become its state). A save writes files of at most one gradient bucket
-  (:class:`BoundedFileWriter`: DCP's writer keeps what it wrote until the file closes),
-  so it adds at most one bucket to the peak. A load reads one saved chunk at a time
-  (:class:`ChunkByChunkReader`); a chunk is what one saving rank held of one parameter,
-  so loading a checkpoint saved by the same or a larger layout adds at most one bucket,
-  and one saved by fewer ranks (or an older whole-tensor one) up to one whole parameter.
-- **Older checkpoints.** Whole tensors (tp == 1) are single chunks and load the same way;
-  the per-rank byte streams that tp > 1 runs wrote before load under the layout that
-  saved them.
-
-The parsing of DCP's flattened keys (``optimizer_0.state.<name>.exp_avg``,
-``optimizer_0.param_groups.<i>.lr``) lives only here.
+Memory: a save writes files of at most one gradient bucket (:class:`BoundedFileWriter`:
+DCP's writer keeps what it wrote until the file closes); a load reads one saved chunk at
+a time (:class:`ChunkByChunkReader`). The gradient engine's optimizer state is laid out by
+:mod:`plugintrain.strategies.engine_checkpoint`; the parsing of DCP's flattened keys
+(``optimizer_0.state.<name>.exp_avg``) lives here and there only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import pickle
@@ -77,26 +62,21 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.optim import Optimizer
 
-from plugintrain.checkpoint_files import (
+from plugintrain.checkpoints.files import (
     LIGHTNING_METADATA,
-    PARTIAL_SUFFIX,
     CorruptCheckpointError,
     UnsafeCheckpointError,
     check_shard_files,
     consecutive_groups,
     first_line,
     load_torch_file,
-    publish,
     read_dcp_metadata,
     shape_mismatch,
-    sibling,
-    write_file_atomically,
 )
-from plugintrain.portable_checkpoints import plain_hyperparameters
-from plugintrain.strategies.grad_engine import GradientEngine, is_elementwise
-from plugintrain.strategies.single_file_reader import SingleFileReader
-from plugintrain.strategies.tied import TiedParameters
-from plugintrain.tensor_boxes import flat_boxes, local_box
+from plugintrain.checkpoints.portable import plain_hyperparameters
+from plugintrain.checkpoints.single_file import SingleFileReader
+from plugintrain.core.atomic_files import PARTIAL_SUFFIX, publish, sibling, write_file_atomically
+from plugintrain.core.tensor_boxes import flat_boxes, local_box
 
 # DCP's metadata is a flat dict of dotted keys; everything this module reads from it.
 SavedMetadata = dict[str, Any]
@@ -193,10 +173,9 @@ class ShardLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        # Older checkpoints hold per-rank byte streams: a BytesIO rebuilds from its bytes.
-        # On the host: a stream saved on cuda:k would otherwise land on cuda:k here.
-        with torch.serialization.safe_globals([io.BytesIO]):
-            loaded = torch.load(value, weights_only=True, map_location="cpu")
+        # Plain values (an optimizer group's ``lr``), never code; on the host, where a value
+        # saved on cuda:k would otherwise land on cuda:k.
+        loaded = torch.load(value, weights_only=True, map_location="cpu")
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
@@ -290,10 +269,8 @@ def read_hparams(path: Path) -> dict[str, Any]:
     file = path / HPARAMS_FILENAME
     if not file.is_file():
         raise FileNotFoundError(
-            f"{path} has no {HPARAMS_FILENAME} (written by plugintrain since sharded"
-            " checkpoints; its meta.pt is a pickle, which plugintrain does not load to build"
-            " a model): resume the run from it for one step to write a new checkpoint, or"
-            " pass a single-file checkpoint."
+            f"{path} has no {HPARAMS_FILENAME}, which every sharded checkpoint plugintrain"
+            " writes holds: pass a checkpoint directory written by `plugintrain fit`."
         )
     try:
         return json.loads(file.read_text())
@@ -378,7 +355,7 @@ def load_dtensor_states(
     state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
     for i, optimizer in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
-    _load_into(model, state, reader)
+    load_states(model, state, reader)
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(model, optimizer, state[f"optimizer_{i}"])
     return read_rest(reader)
@@ -406,7 +383,7 @@ def load_weights(path: Path, model: nn.Module) -> dict[str, Any]:
     """Load only the model weights of the checkpoint at ``path`` (a DCP directory or one
     file; evaluation, where no optimizer exists); returns the rest of the checkpoint."""
     reader = open_checkpoint(path)
-    _load_into(model, {"state_dict": get_model_state_dict(model)}, reader)
+    load_states(model, {"state_dict": get_model_state_dict(model)}, reader)
     return read_rest(reader)
 
 
@@ -430,7 +407,7 @@ def read_weights(path: Path) -> dict[str, Tensor]:
 def read_full(path: Path) -> dict[str, Any]:
     """The DCP directory ``path`` as one process's Lightning checkpoint dict: whole weights,
     each optimizer's whole state keyed by parameter name (see
-    :class:`~plugintrain.portable_checkpoints.PortableCheckpoints`), and the rest. For a
+    :class:`~plugintrain.checkpoints.portable.PortableCheckpoints`), and the rest. For a
     process that holds the whole model (and so its whole optimizer state) anyway."""
     reader = ChunkByChunkReader(path)
     state: dict[str, Any] = {"state_dict": {}}
@@ -438,7 +415,7 @@ def read_full(path: Path) -> dict[str, Any]:
         slot = None
         if isinstance(meta, TensorStorageMetadata):
             slot = torch.empty(meta.size, dtype=meta.properties.dtype)
-        _place(state, key, slot, path)
+        _place(state, key, slot)
     load_dcp(state, reader)
     optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=_index)
     optimizer_states = [state.pop(key) for key in optimizers]
@@ -453,7 +430,7 @@ def _index(key: str) -> int:
     return int(key.split("_", 1)[1])
 
 
-def _place(state: dict[str, Any], key: str, slot: Tensor | None, path: Path) -> None:
+def _place(state: dict[str, Any], key: str, slot: Tensor | None) -> None:
     """Put ``slot`` where DCP's flattened ``key`` points in the nested ``state``."""
     head, _, tail = key.partition(".")
     if head == "state_dict":
@@ -464,14 +441,9 @@ def _place(state: dict[str, Any], key: str, slot: Tensor | None, path: Path) -> 
     if kind == "state":
         name, _, entry = tail.rpartition(".")
         optimizer["state"].setdefault(name, {})[entry] = slot
-    elif kind == "param_groups":
+    else:  # "param_groups"
         index, _, entry = tail.partition(".")
         optimizer["param_groups"].setdefault(index, {})[entry] = slot
-    else:
-        raise ValueError(
-            f"{path} holds optimizer state saved per rank by an older plugintrain"
-            " with tensor_parallel > 1; resume it with the layout that saved it."
-        )
 
 
 def load_dcp(state: dict[str, Any], reader: Any, alone: bool = False) -> None:
@@ -490,7 +462,7 @@ def load_dcp(state: dict[str, Any], reader: Any, alone: bool = False) -> None:
         raise
 
 
-def _load_into(model: nn.Module, state: dict[str, Any], reader: Any) -> None:
+def load_states(model: nn.Module, state: dict[str, Any], reader: Any) -> None:
     """Fill ``state`` (the model's state dict under ``"state_dict"``, optimizer templates)
     from ``reader``, one chunk at a time, and load the weights into ``model``.
 
@@ -532,139 +504,3 @@ def check_shapes(reader: Any, model_state: dict[str, Any]) -> None:
             )
         if tuple(meta.size) != tuple(tensor.shape):
             raise shape_mismatch(where, name, meta.size, tensor.shape)
-
-
-@dataclasses.dataclass
-class EngineCheckpoint:
-    """Saves and loads a gradient engine's optimizer state in DCP directories, per rank.
-
-    Args:
-        engine: The data-parallel gradient engine the optimizers are attached to.
-        tied: Tied parameters (a tied head's state is found under the embedding's name).
-    """
-
-    engine: GradientEngine
-    tied: TiedParameters = dataclasses.field(default_factory=TiedParameters)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's share of ``optimizer``'s state for DCP: elementwise values as the
-        boxes of the ranges it owns, scalars (``step``) as they are, and the groups'
-        hyperparameters. Communicates nothing."""
-        state = {}
-        for owned in self.engine.owned_slices(optimizer):
-            numel = owned.shard.numel()
-            state[owned.name] = {
-                key: ShardBoxes.of_range(owned.param, owned.start, value.reshape(-1))
-                if is_elementwise(value, numel)
-                else value
-                for key, value in optimizer.state.get(owned.shard, {}).items()
-            }
-        groups = [
-            {**{k: v for k, v in group.items() if k != "params"}, "params": []}
-            for group in optimizer.param_groups
-        ]
-        return {"state": state, "param_groups": groups}
-
-    def load(self, path: Path, model: nn.Module, optimizers: list[Optimizer]) -> dict[str, Any]:
-        """Load model weights and optimizer state from the checkpoint at ``path`` (a DCP
-        directory of any layout, or one file).
-
-        Returns:
-            The rest of the checkpoint (loops, callbacks, ...) from its metadata.
-        """
-        names = [[self.engine.parameter_names(optimizer)] for optimizer in optimizers]
-        reader = open_checkpoint(path, names)
-        saved = reader.read_metadata().state_dict_metadata
-        state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
-        shard_states = []
-        for i, optimizer in enumerate(optimizers):
-            state[f"optimizer_{i}"], targets = self._template(f"optimizer_{i}.", optimizer, saved)
-            shard_states.append(targets)
-        _load_into(model, state, reader)
-        for i, (optimizer, targets) in enumerate(zip(optimizers, shard_states, strict=True)):
-            loaded = state[f"optimizer_{i}"]
-            if self._shard_key in loaded:  # an older per-rank byte stream
-                buffer = loaded[self._shard_key]
-                buffer.seek(0)
-                # The optimizer moves the state to its parameters' device as it loads it.
-                state = torch.load(buffer, weights_only=True, map_location="cpu")
-                optimizer.load_state_dict(state)
-            else:
-                self.engine.load_shard_states(optimizer, targets, loaded["param_groups"])
-        return read_rest(reader)
-
-    @property
-    def _shard_key(self) -> str:
-        """Where tp > 1 checkpoints written before sharded saves kept this rank's state."""
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        return f"rank{rank}_of{world}"
-
-    def _template(
-        self, prefix: str, optimizer: Optimizer, saved: SavedMetadata
-    ) -> tuple[dict[str, Any], dict[Tensor, dict[str, Tensor]]]:
-        """What this rank reads of one optimizer (DCP fills it in place), and the same
-        tensors keyed by the shard parameters they become the state of."""
-        groups = _saved_groups(saved, prefix + "param_groups.")
-        if not groups:
-            if prefix + self._shard_key in saved:  # an older tp > 1 per-rank byte stream
-                return {self._shard_key: None}, {}
-            if any(key.startswith(prefix + "rank") for key in saved):
-                raise ValueError(
-                    "The checkpoint's optimizer state was saved per rank by an older"
-                    " plugintrain with tensor_parallel > 1 and has none for this rank;"
-                    " resume it with the layout that saved it."
-                )
-            raise ValueError(
-                f"The checkpoint holds no optimizer state for {prefix.rstrip('.')} (saved"
-                " weights-only, or with fewer optimizers); resume from a full checkpoint or"
-                " load only its weights."
-            )
-        state: dict[str, dict[str, Any]] = {}
-        targets: dict[Tensor, dict[str, Tensor]] = {}
-        for owned in self.engine.owned_slices(optimizer):
-            name, keys = self._saved_state(saved, prefix, owned.name)
-            shard = owned.shard
-            state[name], targets[shard] = {}, {}
-            for key, meta in keys.items():
-                dtype = meta.properties.dtype
-                if tuple(meta.size) == tuple(owned.param.shape) and len(meta.size) > 0:
-                    flat = torch.empty(shard.numel(), dtype=dtype, device=shard.device)
-                    state[name][key] = ShardBoxes.of_range(owned.param, owned.start, flat)
-                else:
-                    flat = torch.empty(meta.size, dtype=dtype)
-                    state[name][key] = flat
-                targets[shard][key] = flat
-        # DCP stores each group's hyperparameters as one entry per key; None is a slot.
-        return {"state": state, "param_groups": groups}, targets
-
-    def _saved_state(
-        self, saved: SavedMetadata, prefix: str, name: str
-    ) -> tuple[str, dict[str, TensorStorageMetadata]]:
-        """The name under which ``name``'s state was saved (itself or a tied alias) and its
-        tensor entries (none if the parameter had no state yet)."""
-        for candidate in (name, *self.tied.aliases(name)):
-            keys = _state_keys(saved, f"{prefix}state.{candidate}.")
-            if keys:
-                return candidate, keys
-        return name, {}
-
-
-def _saved_groups(saved: SavedMetadata, prefix: str) -> list[dict[str, None]]:
-    """Slots for each saved param group's entries under ``prefix`` (``lr``, ``betas``...)."""
-    groups: dict[int, dict[str, None]] = {}
-    for key in saved:
-        if key.startswith(prefix):
-            index, _, name = key[len(prefix) :].partition(".")
-            groups.setdefault(int(index), {})[name] = None
-    return [groups[i] for i in sorted(groups)]
-
-
-def _state_keys(saved: SavedMetadata, prefix: str) -> dict[str, TensorStorageMetadata]:
-    """Saved tensor entries directly under ``prefix`` (``exp_avg``, ``step``, ...)."""
-    return {
-        key[len(prefix) :]: meta
-        for key, meta in saved.items()
-        if key.startswith(prefix)
-        and "." not in key[len(prefix) :]
-        and isinstance(meta, TensorStorageMetadata)
-    }

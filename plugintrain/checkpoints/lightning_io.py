@@ -16,13 +16,9 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from typing_extensions import override
 
-from plugintrain.checkpoint_files import (
-    SOURCE_KEY,
-    load_torch_file,
-    remove,
-    write_file_atomically,
-)
-from plugintrain.strategies.checkpoint import read_full
+from plugintrain.checkpoints.dcp import read_full
+from plugintrain.checkpoints.files import SOURCE_KEY, load_torch_file
+from plugintrain.core.atomic_files import remove, write_file_atomically
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

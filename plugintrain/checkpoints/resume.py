@@ -4,7 +4,7 @@
   killed midway is never picked); with none there, the run says plainly that it starts
   from scratch. Leftovers of a killed save are cleaned up first.
 - Under ``torchrun --max-restarts N`` a restarted worker resumes from ``last`` by itself
-  (and its process group starts on fresh store keys: :func:`init_restarted_process_group`).
+  (:mod:`plugintrain.core.elastic`).
 - The model options of the command line and config are compared with the checkpoint's
   hyperparameters: options left at their defaults take the checkpoint's values (as
   LightningCLI does), options set to something else are an error naming both values,
@@ -17,28 +17,16 @@ directory's shards, or a file's ``hyper_parameters`` with ``weights_only=True``.
 from __future__ import annotations
 
 import inspect
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from plugintrain.checkpoint_files import LIGHTNING_METADATA, load_torch_file, newest_complete
-from plugintrain.checkpoint_files import recover as recover_leftovers
+from plugintrain.checkpoints.dcp import HPARAMS_FILENAME, read_hparams
+from plugintrain.checkpoints.files import LIGHTNING_METADATA, load_torch_file, newest_complete
+from plugintrain.checkpoints.files import recover as recover_leftovers
+from plugintrain.core.elastic import elastic_restart, launching_rank
 
 # LightningCLI's own entries beside a module's arguments.
 _CLI_KEYS = ("_class_path", "_instantiator")
-
-
-def elastic_restart() -> bool:
-    """Whether torchrun restarted this worker after a failure (``--max-restarts``)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-
-def launching_rank() -> bool:
-    """The process that runs before any other rank exists, or global rank 0 under torchrun."""
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
 
 
 def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | None) -> str | None:
@@ -74,8 +62,6 @@ def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: str | None) -> str 
 
 def checkpoint_hparams(path: str) -> dict[str, Any]:
     """The module hyperparameters saved in the checkpoint at ``path`` (no code is run)."""
-    from plugintrain.strategies.checkpoint import HPARAMS_FILENAME, read_hparams
-
     file = Path(path)
     if "://" in path:
         return {}
@@ -153,27 +139,3 @@ def _same(a: Any, b: Any) -> bool:
 def _show(value: Any) -> str:
     text = repr(_plain(value))
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-def init_restarted_process_group(backend: str, timeout: timedelta | None) -> None:
-    """Initialize the default process group of a worker torchrun restarted, on a store
-    prefix of its own attempt.
-
-    torchrun keeps its store across restarts, and torch 2.13's ``env://`` initialization
-    under it hands a restarted gloo group the dead attempt's peer addresses
-    (``connectFullMesh ... Connection refused``; reproduced with a 10-line torch script).
-    A per-attempt prefix gives the new group fresh keys. Lightning then finds the group
-    initialized and keeps it. A no-op outside a restart.
-    """
-    if not elastic_restart() or dist.is_initialized():
-        return
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, False, **kwargs
-    )
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    prefixed = dist.PrefixStore(f"plugintrain/attempt_{attempt}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, **kwargs)

@@ -184,6 +184,25 @@ class ParallelModule(Protocol):
 
 
 @runtime_checkable
+class OneBlockModule(Protocol):
+    """A LightningModule whose pipeline split ``layers_per_stage: auto`` chooses by timing."""
+
+    def one_block_model(self) -> nn.Module:
+        """A :class:`StagedModel` of this module's architecture with one block (of the kind
+        most of its blocks are), built in the current device and dtype context: what is
+        timed, instead of the whole model."""
+        ...
+
+
+@runtime_checkable
+class MicroBatchShape(Protocol):
+    """A datamodule whose batches are ``(batch_size, seq_len)`` token windows."""
+
+    batch_size: int
+    seq_len: int
+
+
+@runtime_checkable
 class ShardFirstModule(Protocol):
     """A :class:`ParallelModule` that can be built on the meta device.
 
@@ -199,7 +218,7 @@ class ShardFirstModule(Protocol):
     def init_weights(self) -> None:
         """Initialize, in place, every parameter and buffer this rank holds (a DTensor's
         local shard only) to its part of the weights one process would build from
-        ``init_seed`` (see :func:`plugintrain.initialization.seeded_normal_`)."""
+        ``init_seed`` (see :func:`plugintrain.core.initialization.seeded_normal_`)."""
         ...
 
 
@@ -320,7 +339,7 @@ def check_contract(obj: Any, protocol: type, needed_by: str) -> None:
     if missing:
         raise TypeError(
             f"{needed_by} needs {type(obj).__name__} to implement"
-            f" plugintrain.distributed.{protocol.__name__}; it lacks {', '.join(missing)}."
+            f" plugintrain.core.contracts.{protocol.__name__}; it lacks {', '.join(missing)}."
             f" Implement them (CausalLM and Transformer are complete examples)."
         )
 
@@ -371,3 +390,13 @@ def default_gradient_layout(parameters: Iterable[Tensor]) -> GradientLayout:
     pieces = list(_pieces(parameters, world_size))
     device = pieces[0].grad.device if pieces else torch.device("cpu")
     return GradientLayout(group=group, pieces=pieces, device=device)
+
+
+@runtime_checkable
+class TokenBytesSource(Protocol):
+    """Something that knows the UTF-8 bytes of text each token id stands for."""
+
+    @property
+    def token_bytes(self) -> torch.Tensor | None:
+        """Bytes per id, int ``(vocab_size,)`` (0 for special tokens); None if unknown."""
+        ...

@@ -1,0 +1,87 @@
+"""Sampling text from a transformer: a KV cache prefilled once, then one token per step."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from plugintrain.model_zoo.transformer import Transformer
+
+
+@torch.inference_mode()
+def generate(
+    model: Transformer,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    use_cache: bool = True,
+    eos_id: int | None = None,
+) -> torch.Tensor:
+    """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens of ``model``.
+
+    Args:
+        model: The transformer (``eval()`` it first when its config has dropout).
+        idx: Prompt token ids.
+        max_new_tokens: Number of tokens to generate.
+        temperature: Softmax temperature; 0 picks the most likely token (greedy).
+        top_k: Sample only among the k most likely tokens; None samples from all.
+        use_cache: Prefill a KV cache once and decode one token per step; without it,
+            each step reruns the (last ``block_size`` tokens of the) sequence.
+        eos_id: Stop once every row has produced this token; finished rows are padded
+            with it.
+
+    Returns:
+        The prompts followed by the generated tokens, ``(B, T + n)`` with
+        ``n <= max_new_tokens``.
+
+    Raises:
+        ValueError: If the cache is used and prompt plus new tokens exceed ``block_size``.
+    """
+    if use_cache:
+        _setup_kv_cache(model, idx, max_new_tokens)
+    try:
+        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        for step in range(max_new_tokens):
+            logits = _next_logits(model, idx, step, use_cache)  # (B, V)
+            idx_next = _sample(logits, temperature, top_k)  # (B, 1)
+            if eos_id is not None:
+                idx_next = idx_next.masked_fill(done[:, None], eos_id)
+                done |= idx_next[:, 0] == eos_id
+            idx = torch.cat((idx, idx_next), dim=1)
+            if done.all():
+                break
+        return idx
+    finally:
+        model.clear_kv_cache()
+
+
+def _setup_kv_cache(model: Transformer, idx: torch.Tensor, max_new_tokens: int) -> None:
+    total, block_size = idx.size(1) + max_new_tokens, model.config.block_size
+    if total > block_size:
+        raise ValueError(
+            f"Prompt length {idx.size(1)} + max_new_tokens={max_new_tokens} = {total} "
+            f"exceeds block_size={block_size}; generate fewer tokens, or pass "
+            f"use_cache=False to crop the context to the last block_size tokens."
+        )
+    model.setup_kv_cache(idx.size(0), total, device=idx.device)
+
+
+def _next_logits(model: Transformer, idx: torch.Tensor, step: int, use_cache: bool) -> torch.Tensor:
+    if not use_cache:
+        return model(idx[:, -model.config.block_size :])[:, -1]
+    # The first step prefills the cache with the prompt; later ones feed the newest token.
+    start = 0 if step == 0 else idx.size(1) - 1
+    input_pos = torch.arange(start, idx.size(1), device=idx.device)
+    return model(idx[:, start:], input_pos)[:, -1]
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """Pick one token id per row of ``logits`` ``(B, V)``: ``(B, 1)``."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)

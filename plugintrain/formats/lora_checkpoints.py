@@ -1,0 +1,169 @@
+"""LoRA adapter checkpoints on the file side: adapters put back into a model, the sha256
+of the base weights an adapter checkpoint names (and the check against it), and an
+adapter checkpoint read as the whole model it describes (its base with the adapters
+merged, one tensor at a time). The layer itself is :mod:`plugintrain.model_zoo.lora`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
+from plugintrain.model_zoo.lora import LoRASpec, inject
+
+
+@torch.no_grad()
+def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
+    """Put the adapters of the adapter checkpoint at ``path`` (a LoRA run's ``.ckpt`` file
+    or DCP directory) into ``module`` (the LightningModule holding the base model, its
+    base weights loaded; unmerged), with the tensors the run trained; returns their spec.
+    The caller checks the base (:func:`check_base`).
+
+    Raises:
+        ValueError: If ``path`` holds no adapters, or not those of this model.
+    """
+
+    reader = CheckpointReader(Path(path))
+    if reader.lora is None:
+        raise ValueError(
+            f"{path} holds no LoRA adapters (it is a whole model's checkpoint); pass it as the"
+            " model's weights instead"
+        )
+    spec = LoRASpec.from_record(reader.lora["spec"])
+    inject(module, spec)
+    params = dict(module.named_parameters())
+    saved = set(reader.names())
+    missing = sorted(
+        n for n, p in params.items() if p.requires_grad and n.removeprefix(PREFIX) not in saved
+    )
+    if missing:
+        raise ValueError(
+            f"{path} lacks {missing[0]} (and {len(missing) - 1} more) of the tensors its LoRA"
+            " spec trains: a damaged checkpoint; pass the one its run wrote last"
+        )
+    for name in saved:
+        params[f"{PREFIX}{name}"].copy_(reader.read(name))
+    return spec
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".ckpt", ".pt", ".distcp", ".metadata")
+"""What :func:`weights_sha256` reads of a directory: its weight, config and tokenizer files
+(not a README, and nothing in subdirectories, such as a download tool's cache)."""
+
+
+def weights_sha256(path: str | Path) -> str:
+    """sha256 of a weights file, or of a directory's top-level weight, config and tokenizer
+    files (:data:`WEIGHT_SUFFIXES`; each one's name, then its bytes, in sorted order): what
+    an adapter checkpoint records of the base it was trained on. Remembered per process
+    while no file changes.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+    """
+    root = Path(path).resolve()
+    if not root.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory (the LoRA base weights)")
+    if root.is_file():
+        files = [root]
+    else:
+        files = sorted(
+            p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)
+        )
+    key = (root, *((f, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        for file in files:
+            if file != root:
+                digest.update(file.name.encode() + b"\0")
+            with file.open("rb") as handle:
+                while chunk := handle.read(1 << 23):
+                    digest.update(chunk)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+def check_base(record: dict, base: str | None, digest: str, option: str | None) -> None:
+    """Raise unless ``digest`` (of the base weights ``base``) is the sha256 that the adapter
+    checkpoint's ``record`` was trained on; ``option`` is where the user names the base
+    (``model.init_args.weights``, ``--weights``), None where only the record names it."""
+    if record.get("sha256") is None:
+        raise ValueError(
+            f"the adapter checkpoint records no sha256 of its base {record.get('base')}; pass"
+            " one written by a LoRA run of this plugintrain"
+        )
+    if record["sha256"] != digest:
+        raise ValueError(
+            f"the adapters were trained on base weights {record['base']} (sha256"
+            f" {record['sha256'][:12]}...), but {base} has sha256 {digest[:12]}...; "
+            + (
+                f"set {option} to {record['base']}"
+                if option is not None
+                else f"put the base they were trained on back at {record['base']}"
+            )
+        )
+
+
+def spec_difference(record: dict, spec: LoRASpec) -> str | None:
+    """The first field in which ``spec`` differs from the spec an adapter checkpoint's
+    ``record`` was trained with, as ``field: saved (this run: value)``; None if none."""
+    saved = LoRASpec.from_record(record["spec"]).record()
+    for field, value in spec.record().items():
+        if saved[field] != value:
+            return f"{field}: {json.dumps(saved[field])} (this run: {json.dumps(value)})"
+    return None
+
+
+class MergedAdapterReader:
+    """An adapter checkpoint (a LoRA run's: adapters and other trained tensors only) as the
+    whole model it describes: its base weights with every adapter merged in, one tensor
+    at a time (``W + alpha / r * B A``, in fp32, stored in the base weight's dtype).
+
+    Args:
+        adapters: The adapter checkpoint.
+        base: The base weights it names (checked against its sha256 by the caller).
+    """
+
+    def __init__(self, adapters: CheckpointReader, base: Any) -> None:
+
+        self.path = adapters.path
+        self.adapters, self.base = adapters, base
+        self.config, self.tokenizer = base.config, base.tokenizer
+        self.hparams = adapters.hparams
+        spec = LoRASpec.from_record(adapters.lora["spec"])
+        self.scaling = spec.alpha / spec.r
+        self._held = set(adapters.names())
+
+    def names(self) -> list[str]:
+        """Our tensor names: the base model's."""
+        return self.base.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of ``name``."""
+        return self.base.shape(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Type of ``name``: the trained tensor's, else the base's."""
+        if name == "output.weight" and self.config.tie_embeddings:
+            name = "tok_embeddings.weight"
+        if name in self._held:
+            return self.adapters.dtype(name)
+        return self.base.reader.dtype(self.base.plan[name].sources[0])
+
+    def read(self, name: str) -> Tensor:
+        """Tensor ``name``: the run's (trained, or the base's), its adapter merged in."""
+        if name == "output.weight" and self.config.tie_embeddings:
+            name = "tok_embeddings.weight"  # one tensor, saved under the embedding's name
+        weight = self.adapters.read(name) if name in self._held else self.base.read(name)
+        stem = name.removesuffix(".weight")
+        if f"{stem}.lora_A" not in self._held:
+            return weight
+        a, b = self.adapters.read(f"{stem}.lora_A"), self.adapters.read(f"{stem}.lora_B")
+        return (weight.float() + (b.float() @ a.float()) * self.scaling).to(weight.dtype)
