@@ -4,7 +4,7 @@
         [--seq-len 128] [--n-layer 8] [--steps 10] [--warmup 2] [--layers-per-stage 6,2]
 
 For GPipe, 1F1B and interleaved 1F1B (``vpp=2``), runs plugintrain's
-:class:`~plugintrain.strategies.pipeline.PipelineExecutor` and torch's ``ScheduleGPipe`` /
+:class:`~plugintrain.strategies.pipeline_executor.PipelineExecutor` and torch's ``ScheduleGPipe`` /
 ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (the baseline of each row pair) on ``--pp``
 forked gloo processes, one intra-op thread each. Both sides run the same stage chunks of the
 same seeded Llama 3 debug model (8 layers, vocabulary 8192; two identical copies, so
@@ -95,8 +95,9 @@ from torch.distributed.pipelining import (
 
 from plugintrain.bench.baselines import StageModule
 from plugintrain.model_zoo import Transformer, TransformerConfig
-from plugintrain.strategies.pipeline import PipelineExecutor, VirtualStage, split_model
+from plugintrain.strategies.pipeline_executor import PipelineExecutor
 from plugintrain.strategies.pipeline_schedules import build_schedule, simulate
+from plugintrain.strategies.pipeline_stages import VirtualStage, split_model
 
 VOCAB = 8192
 SCHEDULES = {"gpipe": (1, ScheduleGPipe), "1f1b": (1, Schedule1F1B)}

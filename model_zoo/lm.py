@@ -2,6 +2,7 @@
 
 import functools
 import math
+from typing import Any
 
 import lightning as L
 import torch
@@ -228,19 +229,12 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
 
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        use_cache: bool = True,
-        eos_id: int | None = None,
-    ) -> torch.Tensor:
-        """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens; see
-        :func:`plugintrain.model_zoo.generation.generate` (call ``eval()`` first when the
-        config has dropout)."""
-        return generate(self.model, idx, max_new_tokens, temperature, top_k, use_cache, eos_id)
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
+        """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens; the
+        sampling options (``temperature``, ``top_k``, ``use_cache``, ``eos_id``) are
+        :func:`plugintrain.model_zoo.generation.generate`'s. Call ``eval()`` first when the
+        config has dropout."""
+        return generate(self.model, idx, max_new_tokens, **sampling)
 
 
 def _build(config: TransformerConfig, weights: str | None) -> Transformer:

@@ -350,6 +350,7 @@ class PluginTrainCLI(LightningCLI):
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plugintrain`` console script and ``python -m plugintrain``."""
     from plugintrain.tools import TOOLS, print_overview
+    from plugintrain.tools.recipes import resolve_config_args
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -359,7 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return TOOLS[args[0]](args[1:])
     try:
         _check_command(args[0], [*PluginTrainCLI.subcommands(), *TOOLS])
-        # LightningCLI reads sys.argv itself; passing it again only earns a warning.
+        args = resolve_config_args(args)  # --config NAME: a packaged recipe
+        if argv is None:  # LightningCLI reads sys.argv itself; passing it again only warns
+            sys.argv[1:] = args
         PluginTrainCLI(args=None if argv is None else args)
     except ConfigError as error:
         # The last line printed, and the only one: the value and the fix.

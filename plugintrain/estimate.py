@@ -10,7 +10,7 @@ rank by rank, in five parts:
   LoRA adapters are the real ones), each parameter is cut as the tensor-parallel plan
   cuts it (and a mixture of experts' stacked expert weights as expert parallelism does:
   ``1/ep`` of the experts each) and kept on the pipeline stages that hold it, and the
-  gradient engine's own :func:`~plugintrain.strategies.grad_engine.assign_buckets` and
+  gradient engine's own :func:`~plugintrain.strategies.buckets.assign_buckets` and
   padding lay it out in flat buckets: a rank holds every bucket's parameters and, at
   ZeRO 0/1, its gradients (ZeRO-2: the owned slice, 1/dp of a bucket, or 1/(dp/ep) of an
   expert bucket, which is reduced over the ranks holding the same experts); AdamW keeps
@@ -150,7 +150,7 @@ class Layout:
         """Raise a one-line ``ValueError`` naming the value and the fix if ``config`` cannot
         train on this layout; the strategies' own checks, before any process would start."""
         from plugintrain.strategies.mesh import ParallelDims
-        from plugintrain.strategies.pipeline import PipelineOptions, check_layers
+        from plugintrain.strategies.pipeline_stages import PipelineOptions, check_layers
 
         if self.dp % self.ep:  # a model without experts: say so, not that dp is too small
             ParallelDims(expert_parallel=self.ep).validate_experts(config)
@@ -375,7 +375,7 @@ def _stage_params(
 ) -> list[_Local]:
     """The parameters pipeline rank ``pp_rank`` holds, in ``named_parameters`` order (a
     tied weight where it first appears on this rank), as one tp rank's shards."""
-    from plugintrain.strategies.pipeline import stage_layer_keys
+    from plugintrain.strategies.pipeline_stages import stage_layer_keys
 
     stages = layout.pp * layout.vpp
     keys = stage_layer_keys(config.n_layer, stages, layout.layers_per_stage)
@@ -428,7 +428,7 @@ def _engine_state(
     whole at stage 0/1 and as the owned slice at stage 2; and AdamW state for the part of
     each parameter inside its owned slice (all of it at stage 0).
     """
-    from plugintrain.strategies.grad_engine import assign_buckets, padded_numel
+    from plugintrain.strategies.buckets import assign_buckets, padded_numel
 
     params = grads = 0
     state = [0] * layout.dp
@@ -684,7 +684,7 @@ def activation_bytes(config: TransformerConfig, layout: Layout, pp_rank: int) ->
     micro-batch forward also keeps its cast of the chunk's weights. With a pipeline, one
     received input and one gradient buffer (the executor's wire tensors) are added.
     """
-    from plugintrain.strategies.pipeline import stage_layer_keys
+    from plugintrain.strategies.pipeline_stages import stage_layer_keys
 
     stages = layout.pp * layout.vpp
     keys = stage_layer_keys(config.n_layer, stages, layout.layers_per_stage)
@@ -733,7 +733,7 @@ def _communication_bytes(held: list[_Local], layout: Layout) -> int:
     FSDP2 gathers a block's parameters (the next one prefetched) and reduce-scatters its
     gradients; its root unit (embeddings, head) stays gathered through the step.
     """
-    from plugintrain.strategies.grad_engine import assign_buckets, padded_numel
+    from plugintrain.strategies.buckets import assign_buckets, padded_numel
 
     trainable = [p for p in held if p.trainable]
     if layout.stage not in (2, 3) or not trainable:

@@ -9,42 +9,37 @@ Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``z
 from lightning.pytorch.strategies import StrategyRegistry
 
 from plugintrain.strategies.blocks import RECOMPUTE_MODES, BlockOptions
+from plugintrain.strategies.buckets import PARAMETER_SERVER, STAGES, Stage
 from plugintrain.strategies.expert_parallel import expert_reduce_groups, parallelize_experts
-from plugintrain.strategies.grad_engine import (
+from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.hybrid import HybridParallelStrategy, PipelineStrategy
+from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
+from plugintrain.strategies.optimizer_shards import (
     ELEMENTWISE_OPTIMIZERS,
-    PARAMETER_SERVER,
-    STAGES,
-    GradientEngine,
-    Stage,
     check_shardable,
     optimizer_state_bytes,
     register_elementwise_optimizer,
 )
-from plugintrain.strategies.hybrid import HybridParallelStrategy
-from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
 from plugintrain.strategies.parallelize import (
     build_engine,
     hybrid_gradient_layout,
     parallelize,
     shard_model,
 )
-from plugintrain.strategies.pipeline import (
-    PipelineExecutor,
-    PipelineOptions,
-    VirtualStage,
-    split_model,
-)
+from plugintrain.strategies.pipeline_executor import PipelineExecutor
 from plugintrain.strategies.pipeline_schedules import (
     SCHEDULES,
     Schedule,
     build_schedule,
     simulate,
 )
-from plugintrain.strategies.pipeline_strategy import PipelineStrategy
+from plugintrain.strategies.pipeline_stages import PipelineOptions, VirtualStage, split_model
 from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
 from plugintrain.strategies.zero import ParameterServerStrategy, ZeroStrategy
 
-_STRATEGIES = (ZeroStrategy, ParameterServerStrategy, HybridParallelStrategy, PipelineStrategy)
+# One class per family registers all its names, with preset arguments (as Lightning's
+# DDPStrategy registers ``ddp_spawn``); the subclasses only change defaults.
+_STRATEGIES = (ZeroStrategy, HybridParallelStrategy)
 for _strategy in _STRATEGIES:
     _strategy.register_strategies(StrategyRegistry)
 

@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from plugintrain.core.contracts import MicroBatchShape, OneBlockModule, check_contract
 from plugintrain.core.profiling import device_seconds
 from plugintrain.strategies.mesh import ParallelDims
-from plugintrain.strategies.pipeline import PipelineOptions
 from plugintrain.strategies.pipeline_schedules import Simulation, build_schedule, simulate
+from plugintrain.strategies.pipeline_stages import PipelineOptions
 
 MEASURED_TOKENS = 8192
 """Most tokens timed through the head at once (the micro-batch's costs are scaled from them)."""

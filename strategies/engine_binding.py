@@ -1,7 +1,7 @@
 """Binds one :class:`~plugintrain.strategies.GradientEngine` to a Lightning strategy.
 
-The engine knows nothing of Lightning; each strategy that drives it (``ZeroStrategy`` /
-``ParameterServerStrategy`` and ``HybridParallelStrategy``) holds one
+The engine knows nothing of Lightning; each strategy that drives it (``ZeroStrategy`` and
+``HybridParallelStrategy``) holds one
 :class:`EngineBinding` and forwards its hooks to it: attaching the optimizers, skipping
 the reduction under gradient accumulation (``no_sync``), saving and loading checkpoints
 shard by shard (:mod:`~plugintrain.checkpoints.dcp`), refusing clipping that would
@@ -80,6 +80,24 @@ class EngineBinding:
         """Drive ``engine`` from now on; ``tied`` names the parameters tied across stages."""
         self._engine = engine
         self._checkpoint = EngineCheckpoint(engine, tied or TiedParameters())
+
+    def bind(
+        self,
+        engine: GradientEngine | None,
+        tied: TiedParameters,
+        trainer: pl.Trainer,
+        precision_plugin: Precision,
+        optimizers: Iterable[Optimizer],
+    ) -> None:
+        """Drive ``engine`` with ``optimizers`` attached, after refusing clipping that would
+        see only a shard (all at once, for a strategy that builds the engine after the
+        optimizers). None binds nothing: FSDP2 (ZeRO-3) reduces, and its DTensor gradients
+        know their layout."""
+        if engine is None:
+            return
+        self.check_clipping(trainer, precision_plugin)
+        self.install(engine, tied)
+        self.attach(optimizers)
 
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
         """Hand the engine every optimizer (re-pointed at this rank's shards), if installed."""

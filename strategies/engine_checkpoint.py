@@ -30,7 +30,8 @@ from plugintrain.checkpoints.dcp import (
     open_checkpoint,
     read_rest,
 )
-from plugintrain.strategies.grad_engine import GradientEngine, is_elementwise
+from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.optimizer_shards import is_elementwise
 from plugintrain.strategies.tied import TiedParameters
 
 
@@ -51,7 +52,7 @@ class EngineCheckpoint:
         boxes of the ranges it owns, scalars (``step``) as they are, and the groups'
         hyperparameters. Communicates nothing."""
         state = {}
-        for owned in self.engine.owned_slices(optimizer):
+        for owned in self.engine.shards.owned(optimizer):
             numel = owned.shard.numel()
             state[owned.name] = {
                 key: ShardBoxes.of_range(owned.param, owned.start, value.reshape(-1))
@@ -72,7 +73,7 @@ class EngineCheckpoint:
         Returns:
             The rest of the checkpoint (loops, callbacks, ...) from its metadata.
         """
-        names = [[self.engine.parameter_names(optimizer)] for optimizer in optimizers]
+        names = [[self.engine.shards.parameter_names(optimizer)] for optimizer in optimizers]
         reader = open_checkpoint(path, names)
         saved = reader.read_metadata().state_dict_metadata
         state: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
@@ -83,7 +84,7 @@ class EngineCheckpoint:
         load_states(model, state, reader)
         for i, (optimizer, targets) in enumerate(zip(optimizers, shard_states, strict=True)):
             groups = state[f"optimizer_{i}"]["param_groups"]
-            self.engine.load_shard_states(optimizer, targets, groups)
+            self.engine.shards.load_shards(optimizer, targets, groups)
         return read_rest(reader)
 
     def _template(
@@ -100,7 +101,7 @@ class EngineCheckpoint:
             )
         state: dict[str, dict[str, Any]] = {}
         targets: dict[Tensor, dict[str, Tensor]] = {}
-        for owned in self.engine.owned_slices(optimizer):
+        for owned in self.engine.shards.owned(optimizer):
             name, keys = self._saved_state(saved, prefix, owned.name)
             shard = owned.shard
             state[name], targets[shard] = {}, {}

@@ -1,41 +1,14 @@
 """HybridParallelStrategy: the Lightning face of pipeline x tensor (+ sequence) x data (x expert)
 parallelism.
 
-The jobs live beside it, one module each: :mod:`~plugintrain.strategies.mesh` (the degrees
-and the DeviceMesh), :mod:`~plugintrain.strategies.parallelize` (TP/SP, expert
-parallelism (:mod:`~plugintrain.strategies.expert_parallel`), FSDP2 and the gradient
-engine applied to the model in torchtitan's order),
+The jobs live beside it, one module each: :mod:`~plugintrain.strategies.mesh` (degrees and
+DeviceMesh), :mod:`~plugintrain.strategies.parallelize` (TP/SP, experts, recomputation,
+FSDP2 and the gradient engine, in torchtitan's order),
 :mod:`~plugintrain.strategies.pipeline_runtime` (the steps when pp > 1),
-:mod:`~plugintrain.strategies.engine_binding` (the engine's Lightning hooks),
-:mod:`~plugintrain.checkpoints.dcp` (optimizer state in DCP directories) and
+:mod:`~plugintrain.strategies.engine_binding` (the engine's Lightning hooks) and
 :mod:`~plugintrain.strategies.tied` (weights tied across stages). This class wires them
-into Lightning's ``ModelParallelStrategy``, which supplies process launch, the
-distributed sampler and torch.distributed.checkpoint (DCP) directories.
-
-With ``pipeline_parallel > 1`` the module's ``model`` (a
-:class:`~plugintrain.core.contracts.StagedModel`) is split into ``pipeline_parallel x
-virtual_pipeline_parallel`` stages and the strategy hands its steps to a
-:class:`~plugintrain.strategies.pipeline_runtime.PipelineRuntime`: each batch is cut
-into ``microbatches``, the ``schedule`` runs inside the precision plugin's autocast
-(FP16 loss scaling on the last stage; activations on the wire in the compute dtype by
-default), each chunk's gradients start their dp reduction as soon as its last backward
-has run, and every rank logs the loss broadcast from the last stage through the module's
-``record_loss(stage, loss, batch)``. Validation runs a forward-only schedule.
-
-With ``zero_stage=3`` under mixed precision, FSDP2 all-gathers the parameters in the
-compute dtype and reduce-scatters gradients in fp32 (``MixedPrecisionPolicy``), and the
-precision plugin's autocast is turned off: the fp32 shards are the master weights.
-
-With ``expert_parallel > 1`` the routed experts of the model's mixture-of-experts layers
-are split over ep ranks borrowed from dp (each dp rank still reads its own batches); the
-layers exchange tokens with all-to-alls, and each expert's gradient is reduced over the
-ranks that hold it. Pipeline stages add their MoE balance losses in the executor.
-
-Checkpoints are DCP directories at the checkpoint path, keyed by full-model parameter
-names and written shard by shard from every rank, nothing gathered
-(:mod:`~plugintrain.checkpoints.dcp`): weights, buffers (MoE routing biases) and
-ZeRO 0-2 optimizer state reload under any pp, vpp, tp, ep and dp and in one process;
-stage 3 reshards through torch's ``get_optimizer_state_dict``.
+into Lightning's ``ModelParallelStrategy``; docs/architecture.md tells how a step, mixed
+precision under ZeRO-3, expert parallelism and checkpoints of any layout work.
 """
 
 from __future__ import annotations
@@ -73,24 +46,18 @@ from plugintrain.strategies.parallelize import (
     hybrid_gradient_layout,
     prepare_model,
 )
-from plugintrain.strategies.pipeline import AUTO, PipelineOptions, VirtualStage
 from plugintrain.strategies.pipeline_runtime import PipelineRuntime, chunk_partition
+from plugintrain.strategies.pipeline_stages import AUTO, PipelineOptions, VirtualStage
 from plugintrain.strategies.tensor_parallel import retie, shared_parameters
 from plugintrain.strategies.tied import TiedParameters
 
 
 class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
-    """Pipeline x tensor (+ sequence) x data (x expert) parallelism with ZeRO on the
-    data-parallel ranks.
+    """Pipeline x tensor (+ sequence) x data (x expert) parallelism with ZeRO on dp.
 
-    Registered as ``hybrid``. The LightningModule builds a single-device model in
-    ``configure_model``; with tp > 1, pp > 1 or ep > 1 it implements
-    :class:`plugintrain.core.contracts.ParallelModule` (as :class:`~plugintrain.model_zoo.
-    CausalLM` does): its ``tp_plan()`` is applied, its ``loss_fn(logits, targets)`` wrapped
-    into a vocabulary-parallel cross-entropy. Each dp rank reads its own batches;
-    the tp and pp ranks of one replica read the same. Metrics are averaged over the
-    world, which equals the dp average because tp and pp ranks hold identical losses.
-    Pipelining and checkpoints: see the module's documentation.
+    Registered as ``hybrid``, and as ``pipeline`` with two stages. With tp, pp or ep > 1
+    the LightningModule implements :class:`plugintrain.core.contracts.ParallelModule` (as
+    :class:`~plugintrain.model_zoo.CausalLM` does). Each dp rank reads its own batches.
 
     Args:
         data_parallel: Data-parallel degree; ``"auto"``: world size / (tp x pp).
@@ -102,16 +69,14 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
             ``interleaved`` when ``virtual_pipeline_parallel > 1``.
         microbatches: Micro-batches per batch with pp > 1 (must divide the per-rank batch
             size); default ``pipeline_parallel``.
-        layers_per_stage: Transformer blocks of each virtual stage, in stage order (pp x
-            vpp counts summing to the model's layers); default: equal. Give the last
-            stage, which also runs the head and the loss, fewer; or ``auto``: measured and
-            chosen at setup (:mod:`~plugintrain.strategies.balance`).
+        layers_per_stage: Transformer blocks of each virtual stage (pp x vpp counts summing
+            to the model's layers; fewer on the last, which also runs the head and loss);
+            default: equal; ``auto``: measured and chosen at setup.
         expert_parallel: Ranks that split the routed experts of each mixture-of-experts
             layer, borrowed from the data-parallel ranks (must divide dp and the expert
             count); not with ``zero_stage=3``.
         zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
-            3 also parameters (torch FSDP2, which under mixed precision gathers them in the
-            compute dtype instead of autocasting; not with pp > 1).
+            3 also parameters (torch FSDP2, gathered in the compute dtype; not with pp > 1).
         bucket_size_mb: Gradient bucket size for ZeRO stage 0/1/2.
         overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2; with
             pp, a chunk's once its last backward of the step has run).
@@ -228,24 +193,33 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         self.check_model(module, trainer.datamodule)  # the whole model, before the split
         dims, mesh = self.dims, self.device_mesh
         fitting = trainer.state.fn == TrainerFn.FITTING
-        options = self.pipeline_options = _with_split(self, trainer)
+        options = self.pipeline_options
+        if options.layers_per_stage == AUTO:  # measure the blocks, choose the split
+            options = self.pipeline_options = balance_stages(
+                module, dims, options, trainer.datamodule, self.root_device, self.precision_plugin
+            )
         dtypes = _cast_by_fsdp(self.precision_plugin, fitting and dims.fsdp_enabled)
         stages = prepare_model(
             module, dims, options, mesh, self.root_device, fitting, self.block_options, dtypes
         )
         super().setup(trainer)  # moves the model, builds the optimizers
         if fitting:
-            _setup_engine(self, module, stages)
+            self._bind_engine(module, stages)
         if stages is not None:
             self._pipeline = PipelineRuntime(
-                module,
-                stages,
-                dims,
-                self.pipeline_options,
-                mesh,
-                self.precision_plugin,
-                self.global_rank,
+                module, stages, dims, options, mesh, self.precision_plugin, self.global_rank
             )
+
+    def _bind_engine(self, module: pl.LightningModule, stages: list[VirtualStage] | None) -> None:
+        """Build the gradient engine (ZeRO 0-2; None under FSDP2) and attach the optimizers."""
+        tied = TiedParameters.of(module)
+        # Under a pipeline, each chunk's buckets are its own, to reduce it once it is done.
+        partition = chunk_partition(module, stages, tied) if stages is not None else None
+        engine = build_engine(
+            module, self.dims, self.device_mesh, self.bucket_size_mb, self.overlap_comm,
+            self.block_options.compile, partition,
+        )  # fmt: skip
+        self._binding.bind(engine, tied, module.trainer, self.precision_plugin, self.optimizers)
 
     @override
     def model_to_device(self) -> None:
@@ -261,7 +235,10 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         if self._pipeline is not None:
-            return _pipeline_backward(self, closure_loss)
+            self.pre_backward(closure_loss)
+            self._pipeline.backward(closure_loss, self._binding)
+            self.post_backward(closure_loss)
+            return closure_loss
         # The vocabulary-parallel cross-entropy's backward runs under the same context.
         with loss_parallel() if self.dims.tp_enabled else nullcontext():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -342,6 +319,8 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         description = "pp x tp (+ sp) x dp with ZeRO, on a DeviceMesh"
         strategy_registry.register(cls.strategy_name, cls, description=description)
+        description = "GPipe / 1F1B / interleaved pipeline parallelism x data parallelism"
+        strategy_registry.register("pipeline", cls, description=description, pipeline_parallel=2)
 
 
 def _requested_layout(
@@ -371,26 +350,6 @@ def _requested_layout(
     )
 
 
-def _setup_engine(
-    strategy: HybridParallelStrategy,
-    module: pl.LightningModule,
-    stages: list[VirtualStage] | None,
-) -> None:
-    """Build the gradient engine (ZeRO 0-2) and attach the optimizers to it."""
-    tied = TiedParameters.of(module)
-    # Under a pipeline, each chunk's buckets are its own, to reduce it once it is done.
-    partition = chunk_partition(module, stages, tied) if stages is not None else None
-    engine = build_engine(
-        module, strategy.dims, strategy.device_mesh, strategy.bucket_size_mb,
-        strategy.overlap_comm, strategy.block_options.compile, partition,
-    )  # fmt: skip
-    if engine is None:
-        return  # FSDP2 (ZeRO-3) reduces, and its DTensor gradients know their layout
-    strategy._binding.check_clipping(module.trainer, strategy.precision_plugin)
-    strategy._binding.install(engine, tied)
-    strategy._binding.attach(strategy.optimizers)
-
-
 def _cast_by_fsdp(plugin: Precision, fsdp: bool) -> PrecisionDtypes | None:
     """The training dtypes when FSDP2 casts the weights (its ``MixedPrecisionPolicy``), with
     the plugin's autocast turned off then and on otherwise; None without FSDP2."""
@@ -400,33 +359,20 @@ def _cast_by_fsdp(plugin: Precision, fsdp: bool) -> PrecisionDtypes | None:
     return dtypes if fsdp else None
 
 
-def _pipeline_backward(strategy: HybridParallelStrategy, closure_loss: Tensor) -> Tensor:
-    """The strategy's ``backward`` under a pipeline: the schedule already ran backward inside
-    ``training_step``, accumulating into the engine's buffers; Lightning zeroes the
-    optimizer's gradients in between, so the reduction that exposes them to the optimizer
-    happens here."""
-    assert strategy._pipeline is not None
-    module, plugin = strategy.lightning_module, strategy.precision_plugin
-    strategy.pre_backward(closure_loss)
-    plugin.pre_backward(closure_loss, module)
-    if not strategy._binding.accumulating:
-        strategy._pipeline.finish_gradients(strategy._binding.engine)
-    plugin.post_backward(closure_loss, module)
-    strategy.post_backward(closure_loss)
-    return closure_loss
-
-
-def _with_split(strategy: HybridParallelStrategy, trainer: pl.Trainer) -> PipelineOptions:
-    """The strategy's pipeline options, with ``layers_per_stage: auto`` measured and chosen."""
-    options = strategy.pipeline_options
-    if options.layers_per_stage != AUTO:
-        return options
-    return balance_stages(
-        strategy.lightning_module, strategy.dims, options, trainer.datamodule,
-        strategy.root_device, strategy.precision_plugin,
-    )  # fmt: skip
-
-
 def _batch(args: tuple, kwargs: dict[str, Any]) -> Any:
     """The batch among a Lightning step hook's arguments."""
     return args[0] if args else kwargs["batch"]
+
+
+class PipelineStrategy(HybridParallelStrategy):
+    """:class:`HybridParallelStrategy` with two pipeline stages by default, the strategy the
+    name ``pipeline`` builds: ``devices x num_nodes`` ranks form ``world /
+    pipeline_parallel`` data-parallel replicas of ``pipeline_parallel`` stages.
+
+    Args:
+        pipeline_parallel: Pipeline stages (ranks per replica).
+        **kwargs: Any other option of :class:`HybridParallelStrategy`.
+    """
+
+    def __init__(self, pipeline_parallel: int = 2, **kwargs: Any) -> None:
+        super().__init__(pipeline_parallel=pipeline_parallel, **kwargs)

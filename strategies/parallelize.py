@@ -1,18 +1,14 @@
 """Apply parallelism to a model from outside, in torchtitan's order.
 
-torchtitan's ``models/llama3/infra/parallelize.py`` applies, in a fixed order: tensor
-(+ sequence) parallelism by the model's declarative plan, then expert parallelism, then
-activation recomputation and compile, then data parallelism. These free functions do the
-same for any module: the tensor-parallel plan on ``mesh["tp"]``
-(:mod:`plugintrain.strategies.tensor_parallel`), the experts of mixture-of-experts layers
-over ``mesh["ep"]`` (:mod:`plugintrain.strategies.expert_parallel`), recomputation and
-compile of each transformer block (:mod:`plugintrain.strategies.blocks`), then torch
-FSDP2 ``fully_shard`` for ZeRO stage 3, or our :class:`~plugintrain.strategies.GradientEngine`
-on the dp group for stage 0/1/2 (bucketed all-reduce or reduce-scatter of the DTensors'
-local shards; expert weights over their ``edp`` group). The functions beside them
-describe the result: how many tp ranks hold each piece (:func:`tp_replicas`) and the
-gradient layout over the whole world (:func:`hybrid_gradient_layout`) that precision
-plugins clip and check found-inf by.
+As torchtitan's ``models/llama3/infra/parallelize.py`` does for Llama, these free functions
+apply to any module, in a fixed order: the tensor (+ sequence) parallel plan on
+``mesh["tp"]`` (:mod:`~plugintrain.strategies.tensor_parallel`), the experts of
+mixture-of-experts layers over ``mesh["ep"]`` (:mod:`~plugintrain.strategies.expert_parallel`),
+recomputation and compile of each block (:mod:`~plugintrain.strategies.blocks`), then FSDP2
+``fully_shard`` for ZeRO-3 or our :class:`~plugintrain.strategies.GradientEngine` on the dp
+group for ZeRO 0-2. The functions beside them describe the result: how many tp ranks hold
+each piece (:func:`tp_replicas`) and the world's gradient layout
+(:func:`hybrid_gradient_layout`) that precision plugins clip and check found-inf by.
 """
 
 from __future__ import annotations
@@ -41,8 +37,8 @@ from plugintrain.strategies.blocks import BlockOptions, transformer_blocks
 from plugintrain.strategies.expert_parallel import expert_reduce_groups, parallelize_experts
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
-from plugintrain.strategies.pipeline import PipelineOptions, VirtualStage
 from plugintrain.strategies.pipeline_runtime import check_pipeline, split_stages
+from plugintrain.strategies.pipeline_stages import PipelineOptions, VirtualStage
 from plugintrain.strategies.tensor_parallel import (
     apply_tensor_parallel,
     retie,

@@ -1,25 +1,12 @@
 """The pipeline runtime: what a strategy holds, and delegates its steps to, when pp > 1.
 
-With pipeline parallelism the strategy owns the training step instead of Lightning's
-automatic loop calling ``LightningModule.training_step``. :class:`PipelineRuntime` does
-that job: it cuts each batch into micro-batches, runs the schedule with the
-:class:`~plugintrain.strategies.pipeline.PipelineExecutor` inside the precision plugin's
-autocast (FP16 loss scaling on the last stage), broadcasts the loss from the last stage
-so every rank logs it through the module's ``record_loss``, and runs validation and
-test as forward-only schedules. Activations travel in the training compute dtype unless
-``wire_dtype`` says otherwise, and are cast on arrival to the dtype the stage's weights
-and residual stream have (:func:`~plugintrain.precision_plugins.precision_dtypes`).
-
-Gradients reach the data-parallel engine chunk by chunk: the engine's buckets never mix
-two chunks' parameters (:func:`chunk_partition`), and as soon as a chunk's last backward
-of the step has run its buckets start reducing (``GradientEngine.launch``) while the
-schedule's cool-down runs the other chunks' backward. Every rank of a dp group runs the
-same schedule, so they launch the same buckets in the same order. Weights tied across
-stages (the embedding and the head) have buckets of their own, which wait until the
-schedule is done and their two copies' gradients are summed across stages; then the
-remaining reductions are waited for.
-
-A strategy holds ``None`` (no pipeline) or one runtime; the runtime needs only the
+With pipeline parallelism the strategy owns the training step instead of Lightning's loop.
+:class:`PipelineRuntime` cuts each batch into micro-batches, runs the schedule with the
+:class:`~plugintrain.strategies.pipeline_executor.PipelineExecutor` inside the precision
+plugin's autocast, broadcasts the loss from the last stage so every rank logs it, runs
+validation and test as forward-only schedules, and starts reducing each chunk's gradients
+over dp as soon as they are final (:func:`chunk_partition`). A strategy holds ``None`` (no
+pipeline) or one runtime; the runtime needs only the
 :class:`~plugintrain.core.contracts.ParallelModule` contract of the module.
 """
 
@@ -40,10 +27,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from plugintrain.core import profiling
 from plugintrain.core.contracts import ModelShape, ParallelModule, StagedModel, check_contract
 from plugintrain.precision_plugins import precision_dtypes
+from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.grad_engine import GradientEngine
 from plugintrain.strategies.mesh import ParallelDims
-from plugintrain.strategies.pipeline import (
-    PipelineExecutor,
+from plugintrain.strategies.pipeline_executor import PipelineExecutor
+from plugintrain.strategies.pipeline_stages import (
     PipelineOptions,
     VirtualStage,
     check_layers,
@@ -197,6 +185,17 @@ class PipelineRuntime:
         inputs, targets = _microbatches(batch, count)
         loss = self._broadcast_loss(self.executor.eval_step(inputs, targets), batch[0].device)
         self.module.record_loss(stage, loss, batch)
+
+    def backward(self, closure_loss: Tensor, binding: EngineBinding) -> None:
+        """The precision plugin's part of Lightning's backward: the schedule already ran
+        backward inside :meth:`training_step`, accumulating into the engine's buffers, and
+        Lightning zeroes the optimizer's gradients in between, so the reduction that exposes
+        them to the optimizer happens here (at the last batch of gradient accumulation)."""
+        plugin = self.precision_plugin
+        plugin.pre_backward(closure_loss, self.module)
+        if not binding.accumulating:
+            self.finish_gradients(binding.engine)
+        plugin.post_backward(closure_loss, self.module)
 
     def finish_gradients(self, engine: GradientEngine) -> None:
         """Sum tied weights' gradients over the first and last stage, then finish reducing

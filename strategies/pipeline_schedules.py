@@ -2,7 +2,7 @@
 
 A schedule is one ordered list of :class:`Action` per pipeline rank: forward or backward
 of one micro-batch through one of the rank's model chunks. Communication is implied by
-the actions, as the executor (:mod:`plugintrain.strategies.pipeline`) performs it: the
+the actions, as the executor (:mod:`plugintrain.strategies.pipeline_executor`) performs it: the
 forward of virtual stage ``s > 0`` receives its input from stage ``s - 1``, a forward
 that is not the last stage sends its output on, and backward runs the other way.
 Where sends never wait (gloo), a schedule can only hang on a cycle of data

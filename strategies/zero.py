@@ -1,7 +1,7 @@
-"""Lightning strategies over our gradient engine: ZeRO-1/2, bucketed DDP, parameter server.
+"""ZeroStrategy: Lightning's DDP over our gradient engine (ZeRO-1/2, DDP, parameter server).
 
-They launch processes, detect torchrun/SLURM environments, shard the sampler and sync
-metrics exactly like Lightning's ``DDPStrategy`` (which they subclass), but replace torch's
+It launches processes, detects torchrun/SLURM environments, shards the sampler and syncs
+metrics exactly like Lightning's ``DDPStrategy`` (which it subclasses), but replaces torch's
 ``DistributedDataParallel`` wrapper with :class:`~plugintrain.strategies.GradientEngine`.
 Checkpoints are DCP directories written shard by shard from every rank (nothing gathered,
 :mod:`~plugintrain.checkpoints.dcp`), keyed by parameter name, so they resume under
@@ -29,17 +29,18 @@ from plugintrain.checkpoints.dcp import load_weights
 from plugintrain.core.contracts import CallsModelBuiltHooks, GradientLayout
 from plugintrain.core.elastic import init_restarted_process_group
 from plugintrain.strategies.blocks import BlockOptions
-from plugintrain.strategies.engine_binding import EngineBinding
-from plugintrain.strategies.grad_engine import (
+from plugintrain.strategies.buckets import (
     PARAMETER_SERVER,
-    GradientEngine,
+    STAGES,
     Stage,
     validate_engine_args,
 )
+from plugintrain.strategies.engine_binding import EngineBinding
+from plugintrain.strategies.grad_engine import GradientEngine
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
-# The DDPStrategy arguments the Trainer fills in. The strategies name them instead of
+# The DDPStrategy arguments the Trainer fills in. ZeroStrategy names them instead of
 # taking **kwargs: LightningCLI would follow **kwargs into DDPStrategy's and on into
 # DistributedDataParallel's arguments, and pass every one of those.
 _PLUMBING = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
@@ -51,43 +52,85 @@ def _plumbing(arguments: dict[str, Any]) -> dict[str, Any]:
     return {key: arguments[key] for key in _PLUMBING}
 
 
-class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
-    """Lightning's ``DDPStrategy`` with our engine in place of torch's DDP wrapper.
+class ZeroStrategy(CallsModelBuiltHooks, DDPStrategy):
+    """Data parallelism over our bucketed, overlapped gradient engine: ZeRO stage 1 or 2,
+    bucketed DDP (stage 0) or a parameter server.
 
-    Every engine hook goes through one :class:`~plugintrain.strategies.engine_binding.
-    EngineBinding`. Implements :class:`plugintrain.core.contracts.GradientLayoutProvider`, so
-    plugintrain's precision plugins clip by the global norm and agree found-inf across the
-    shards.
+    Registered as ``ddp_bucketed`` (stage 0), ``zero1``, ``zero2`` and ``parameter_server``.
+    Stage 0 is accepted (as in DeepSpeed) so bucketed DDP shares the engine; stage 3 is
+    FSDP's job. Every engine hook goes through one :class:`~plugintrain.strategies.
+    engine_binding.EngineBinding`. Implements :class:`plugintrain.core.contracts.
+    GradientLayoutProvider`, so plugintrain's precision plugins clip by the global norm and
+    agree found-inf across the shards.
+
+    Args:
+        stage: 1 shards optimizer state, 2 also shards gradients (reduce-scatter); 0 is
+            plain bucketed all-reduce data parallelism; ``"parameter_server"`` reduces
+            gradients to rank 0, which alone holds optimizer state and steps, and
+            broadcasts the weights back.
+        bucket_size_mb: Target size of each flat gradient bucket in MiB.
+        overlap_comm: Launch each bucket's collective during backward as soon as the bucket
+            is complete, instead of after backward.
+        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
+            transformer block in backward (see :class:`~plugintrain.strategies.blocks.
+            BlockOptions`).
+        every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
+        compile: ``torch.compile`` each transformer block (after recomputation).
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
+        timeout: Timeout of the process group's collectives.
+        start_method: How Lightning launches the processes (``"popen"`` reruns the script,
+            as ``ddp`` does; ``"spawn"``/``"fork"`` as ``ddp_spawn``/``ddp_fork``).
+        accelerator: Lightning plumbing, forwarded to ``DDPStrategy`` (set by the Trainer).
+        parallel_devices: Lightning plumbing (set by the Trainer).
+        cluster_environment: Lightning plumbing (set by the Trainer).
+        checkpoint_io: Lightning plumbing (set by the Trainer).
+        precision_plugin: Lightning plumbing (set by the Trainer).
     """
+
+    strategy_name = "zero"
 
     def __init__(
         self,
-        engine_stage: Stage,
-        bucket_size_mb: float,
-        overlap_comm: bool,
-        process_group_backend: str | None,
-        timeout: timedelta | None,
-        start_method: StartMethod,
-        block_options: BlockOptions,
-        **kwargs: Any,
+        stage: Stage = 2,
+        bucket_size_mb: float = 25.0,
+        overlap_comm: bool = True,
+        activation_checkpointing: str = "none",
+        every_n_layers: int = 1,
+        compile: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        accelerator: Any = None,
+        parallel_devices: list[Any] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
     ) -> None:
-        validate_engine_args(engine_stage, bucket_size_mb)
-        self.block_options = block_options
+        plumbing = _plumbing(locals())
+        name = type(self).__name__
+        self.block_options = BlockOptions(activation_checkpointing, every_n_layers, compile, name)
+        if isinstance(stage, bool) or stage not in STAGES:
+            raise ValueError(
+                f"{name}(stage={stage!r}) is not supported: use stage=1 (shard optimizer"
+                " state) or stage=2 (also shard gradients), 0 for bucketed DDP, or"
+                f" {PARAMETER_SERVER!r}. For parameter sharding (stage 3) use FSDP2."
+            )
+        validate_engine_args(stage, bucket_size_mb)
         super().__init__(
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
-            **kwargs,
+            **plumbing,
         )
         if self._ddp_kwargs:
             raise TypeError(
-                f"{type(self).__name__} got unexpected arguments {sorted(self._ddp_kwargs)}; it"
+                f"{name} got unexpected arguments {sorted(self._ddp_kwargs)}; it"
                 " does not wrap the model in torch DistributedDataParallel."
             )
-        self.engine_stage = engine_stage
+        self.engine_stage = stage
         self.bucket_size_mb = bucket_size_mb
         self.overlap_comm = overlap_comm
-        self._binding = EngineBinding(type(self).__name__)
+        self._binding = EngineBinding(name)
         self._loaded_directory = False
 
     @property
@@ -207,75 +250,6 @@ class _GradientEngineStrategy(CallsModelBuiltHooks, DDPStrategy):
         self._binding.teardown()
         super().teardown()
 
-
-class ZeroStrategy(_GradientEngineStrategy):
-    """ZeRO data parallelism (stages 0, 1, 2) with our bucketed, overlapped gradient engine.
-
-    Registered as ``ddp_bucketed`` (stage 0), ``zero1`` and ``zero2``. Stage 0 is accepted
-    (as in DeepSpeed) so bucketed DDP shares the engine; stage 3 is FSDP's job.
-
-    Args:
-        stage: 1 shards optimizer state, 2 also shards gradients (reduce-scatter); 0 is
-            plain bucketed all-reduce data parallelism.
-        bucket_size_mb: Target size of each flat gradient bucket in MiB.
-        overlap_comm: Launch each bucket's collective during backward as soon as the bucket
-            is complete, instead of after backward.
-        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
-            transformer block in backward (see :class:`~plugintrain.strategies.blocks.
-            BlockOptions`).
-        every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
-        compile: ``torch.compile`` each transformer block (after recomputation).
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
-        timeout: Timeout of the process group's collectives.
-        start_method: How Lightning launches the processes (``"popen"`` reruns the script,
-            as ``ddp`` does; ``"spawn"``/``"fork"`` as ``ddp_spawn``/``ddp_fork``).
-        accelerator: Lightning plumbing, forwarded to ``DDPStrategy`` (set by the Trainer).
-        parallel_devices: Lightning plumbing (set by the Trainer).
-        cluster_environment: Lightning plumbing (set by the Trainer).
-        checkpoint_io: Lightning plumbing (set by the Trainer).
-        precision_plugin: Lightning plumbing (set by the Trainer).
-    """
-
-    strategy_name = "zero"
-
-    def __init__(
-        self,
-        stage: int = 2,
-        bucket_size_mb: float = 25.0,
-        overlap_comm: bool = True,
-        activation_checkpointing: str = "none",
-        every_n_layers: int = 1,
-        compile: bool = False,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: StartMethod = "popen",
-        accelerator: Any = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-    ) -> None:
-        plumbing = _plumbing(locals())
-        blocks = BlockOptions(
-            activation_checkpointing, every_n_layers, compile, type(self).__name__
-        )
-        if stage not in (0, 1, 2) or isinstance(stage, bool):
-            raise ValueError(
-                f"ZeroStrategy(stage={stage!r}) is not supported: use stage=1 (shard optimizer"
-                " state) or stage=2 (also shard gradients), or 0 for bucketed DDP. For"
-                " parameter sharding (stage 3) use FSDP2."
-            )
-        super().__init__(
-            stage,
-            bucket_size_mb,
-            overlap_comm,
-            process_group_backend,
-            timeout,
-            start_method,
-            blocks,
-            **plumbing,
-        )
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -283,72 +257,21 @@ class ZeroStrategy(_GradientEngineStrategy):
             ("ddp_bucketed", 0, "bucketed, overlapped all-reduce data parallelism"),
             ("zero1", 1, "ZeRO stage 1: optimizer state sharded over data-parallel ranks"),
             ("zero2", 2, "ZeRO stage 2: optimizer state and gradients sharded"),
+            (PARAMETER_SERVER, PARAMETER_SERVER, "gradients reduced to rank 0, which steps"),
         )
         for name, stage, description in entries:
             strategy_registry.register(name, cls, description=description, stage=stage)
 
 
-class ParameterServerStrategy(_GradientEngineStrategy):
-    """Parameter-server data parallelism: reduce gradients to rank 0, step there, broadcast.
-
-    Registered as ``parameter_server``. Only rank 0 holds optimizer state; the other ranks
-    compute gradients and receive the updated weights.
+class ParameterServerStrategy(ZeroStrategy):
+    """:class:`ZeroStrategy` with ``stage="parameter_server"`` by default, the strategy the
+    name ``parameter_server`` builds: gradients are reduced to rank 0, which alone holds
+    optimizer state and steps, and the weights are broadcast back.
 
     Args:
-        bucket_size_mb: Target size of each flat gradient bucket in MiB.
-        overlap_comm: Launch each bucket's reduction during backward as soon as the bucket
-            is complete, instead of after backward.
-        activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
-            transformer block in backward (see :class:`~plugintrain.strategies.blocks.
-            BlockOptions`).
-        every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
-        compile: ``torch.compile`` each transformer block (after recomputation).
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: chosen from the device.
-        timeout: Timeout of the process group's collectives.
-        start_method: How Lightning launches the processes (see :class:`ZeroStrategy`).
-        accelerator: Lightning plumbing, as in :class:`ZeroStrategy`.
-        parallel_devices: Lightning plumbing.
-        cluster_environment: Lightning plumbing.
-        checkpoint_io: Lightning plumbing.
-        precision_plugin: Lightning plumbing.
+        stage: As :class:`ZeroStrategy`'s.
+        **kwargs: Any other option of :class:`ZeroStrategy`.
     """
 
-    strategy_name = PARAMETER_SERVER
-
-    def __init__(
-        self,
-        bucket_size_mb: float = 25.0,
-        overlap_comm: bool = True,
-        activation_checkpointing: str = "none",
-        every_n_layers: int = 1,
-        compile: bool = False,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: StartMethod = "popen",
-        accelerator: Any = None,
-        parallel_devices: list[Any] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-    ) -> None:
-        plumbing = _plumbing(locals())
-        blocks = BlockOptions(
-            activation_checkpointing, every_n_layers, compile, type(self).__name__
-        )
-        super().__init__(
-            PARAMETER_SERVER,
-            bucket_size_mb,
-            overlap_comm,
-            process_group_backend,
-            timeout,
-            start_method,
-            blocks,
-            **plumbing,
-        )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            PARAMETER_SERVER, cls, description="gradients reduced to rank 0, which steps"
-        )
+    def __init__(self, stage: Stage = PARAMETER_SERVER, **kwargs: Any) -> None:
+        super().__init__(stage=stage, **kwargs)

@@ -241,7 +241,7 @@ def torch_pipelining(fit_args: Sequence[str]) -> None:
     """
     from torch.distributed.pipelining import PipelineStage
 
-    from plugintrain.strategies.pipeline import split_model
+    from plugintrain.strategies.pipeline_stages import split_model
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     loop = _Loop(fit_args, local_rank=int(os.environ.get("LOCAL_RANK", rank)))

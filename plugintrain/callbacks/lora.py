@@ -232,9 +232,7 @@ def resume_base(
         raise ValueError(f"{ckpt_path}: {problem}")
     base = weights or record["base"]
     if base is not None and verify:
-        lora_checkpoints.check_base(
-            record, base, lora_checkpoints.weights_sha256(_resolve(base)), BASE_OPTION
-        )
+        lora_checkpoints.check_named_base(record, base, BASE_OPTION)
     return base
 
 

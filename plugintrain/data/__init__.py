@@ -1,20 +1,47 @@
-"""Data: tokenizers, llm.c token files, datamodules and offline asset preparation."""
+"""Data: tokenizers, llm.c token files, datamodules and offline asset preparation.
 
-from plugintrain.data.assets import ASSETS, Asset, AssetError, cache_root, fetch_asset
-from plugintrain.data.hf_tokenizer import HFTokenizer
-from plugintrain.data.mnist import MNISTDataModule, read_idx, write_idx
-from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
-from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
-from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
-from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule, TokenWindows
-from plugintrain.data.tokenizers import (
-    TOKENIZER_NAMES,
-    Tokenizer,
-    family_tokenizer,
-    get_tokenizer,
-    tokenizer_short_name,
-    tokenizer_spec,
-)
+Names are imported from their modules on first use (PEP 562), so reading a token file or
+building a tokenizer does not import Lightning (which only the datamodules need).
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plugintrain.data.assets import ASSETS, Asset, AssetError, cache_root, fetch_asset
+    from plugintrain.data.hf_tokenizer import HFTokenizer
+    from plugintrain.data.mnist import MNISTDataModule, read_idx, write_idx
+    from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
+    from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
+    from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
+    from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule, TokenWindows
+    from plugintrain.data.tokenizers import (
+        TOKENIZER_NAMES,
+        Tokenizer,
+        family_tokenizer,
+        get_tokenizer,
+        tokenizer_short_name,
+        tokenizer_spec,
+    )
+
+_MODULES = {
+    "assets": ("ASSETS", "Asset", "AssetError", "cache_root", "fetch_asset"),
+    "hf_tokenizer": ("HFTokenizer",),
+    "mnist": ("MNISTDataModule", "read_idx", "write_idx"),
+    "prepare": ("prepare_mnist", "prepare_shakespeare"),
+    "token_bin": ("TokenFileError", "read_token_bin", "write_token_bin"),
+    "token_bytes": ("read_token_bytes", "write_token_bytes"),
+    "token_datamodule": ("ResumableSampler", "TokenDataModule", "TokenWindows"),
+    "tokenizers": (
+        "TOKENIZER_NAMES",
+        "Tokenizer",
+        "family_tokenizer",
+        "get_tokenizer",
+        "tokenizer_short_name",
+        "tokenizer_spec",
+    ),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "ASSETS",
@@ -43,3 +70,10 @@ __all__ = [
     "write_token_bin",
     "write_token_bytes",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Each public name from its module, imported when first asked for."""
+    if name in _HOME:
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

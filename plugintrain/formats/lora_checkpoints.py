@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from plugintrain.data.assets import resolve_model_path
 from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
 from plugintrain.model_zoo.lora import LoRASpec, inject
 
@@ -109,6 +110,12 @@ def check_base(record: dict, base: str | None, digest: str, option: str | None) 
                 else f"put the base they were trained on back at {record['base']}"
             )
         )
+
+
+def check_named_base(record: dict, base: str, option: str | None) -> None:
+    """:func:`check_base` of the base weights ``base`` names (a path or a pretrained name,
+    fetched on first use), hashed here."""
+    check_base(record, base, weights_sha256(resolve_model_path(base)), option)
 
 
 def spec_difference(record: dict, spec: LoRASpec) -> str | None:

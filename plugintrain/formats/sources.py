@@ -13,7 +13,7 @@ from plugintrain.data.assets import PRETRAINED_MODELS, resolve_model_path
 from plugintrain.data.gguf_metadata import is_gguf
 from plugintrain.formats import checkpoint, gguf_file, hf, llmc
 from plugintrain.formats.base import TensorReader, WeightFormatError, Weights, model_shapes
-from plugintrain.formats.lora_checkpoints import MergedAdapterReader, check_base, weights_sha256
+from plugintrain.formats.lora_checkpoints import MergedAdapterReader, check_named_base
 from plugintrain.model_zoo.lora import is_adapter_name
 from plugintrain.model_zoo.weight_plans import renamed
 
@@ -86,9 +86,8 @@ def _merged_adapters(adapters: Any) -> Weights:
         names = {n: n if n in held else _tied_alias(n) for n in model_shapes(adapters.config)}
         base = Weights(adapters, renamed(names))
     else:
+        check_named_base(record, record["base"], option=None)
         base = open_weights(record["base"])
-        digest = weights_sha256(resolve(record["base"]))
-        check_base(record, record["base"], digest, option=None)
     merged = MergedAdapterReader(adapters, base)
     return Weights(merged, renamed({name: name for name in base.names()}))
 

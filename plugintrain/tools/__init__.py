@@ -14,6 +14,7 @@ from plugintrain.tools.convert import convert_main, export_main
 from plugintrain.tools.estimate import main as estimate_main
 from plugintrain.tools.generate import main as generate_main
 from plugintrain.tools.prepare import main as prepare_main
+from plugintrain.tools.recipes import main as recipes_main
 from plugintrain.tools.schedule import main as schedule_main
 
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
@@ -25,18 +26,21 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "convert": convert_main,
     "estimate": estimate_main,
     "bench": bench_main,
+    "recipes": recipes_main,
 }
 
 _OVERVIEW = """\
 usage: plugintrain <command> [options]
 
 Training (LightningCLI; `plugintrain fit --help` lists every option):
-  fit        train a model:           plugintrain fit --config recipes/<recipe>.yaml
+  fit        train a model:           plugintrain fit --config <recipe>  (a name or a .yaml file)
   validate   run the validation loop
   test       run the test loop
   predict    run prediction
 
 Tools:
+  recipes    list the recipes shipped with plugintrain, or print one to copy and edit:
+               plugintrain recipes gpt2_debug_shakespeare_cpu > my.yaml
   prepare    build real datasets offline: plugintrain prepare shakespeare --tokenizer gpt2
   generate   sample text from a checkpoint or pretrained weights:
                plugintrain generate --ckpt_path smollm2-135m --prompt 'The capital of France is'

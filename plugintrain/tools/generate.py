@@ -20,7 +20,6 @@ from plugintrain.tools._args import ToolParser
 
 if TYPE_CHECKING:
     import torch
-    from torch import Tensor
 
     from plugintrain.data import HFTokenizer, Tokenizer
     from plugintrain.model_zoo import CausalLM
@@ -210,7 +209,7 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalL
     """The base model ``weights`` (default: the one the adapters were trained on, checked
     by sha256) with the LoRA adapters of the checkpoint ``adapter`` in it, merged into its
     weights if ``merge``."""
-    from plugintrain.formats import lora_checkpoints, resolve
+    from plugintrain.formats import lora_checkpoints
     from plugintrain.formats.checkpoint import CheckpointReader
     from plugintrain.model_zoo import lora
 
@@ -221,22 +220,12 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalL
             f" file); pass it as --weights {adapter}"
         )
     base = weights or record["base"]
-    lora_checkpoints.check_base(
-        record, base, lora_checkpoints.weights_sha256(resolve(base)), "--weights"
-    )
+    lora_checkpoints.check_named_base(record, base, "--weights")
     module = load_causal_lm(base)
     lora_checkpoints.load_adapter(module, adapter)
     if merge:
         lora.merge(module)
     return module
-
-
-def dcp_state_dict(path: str | Path) -> dict[str, Tensor]:
-    """The model weights of a DCP checkpoint directory by full name, on the CPU (only the
-    weights are read, never the optimizer state)."""
-    from plugintrain.checkpoints.dcp import read_weights
-
-    return read_weights(Path(path))
 
 
 def _print_samples(

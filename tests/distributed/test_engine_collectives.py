@@ -144,7 +144,7 @@ def _accumulate(model: nn.Module, engine: GradientEngine | None, count: int) -> 
 def _engine_grads(model: nn.Module, engine: GradientEngine) -> dict[str, Tensor]:
     """Each parameter's reduced gradient, whole (dp = 1: every shard covers its tensor)."""
     grads = {}
-    for entry in engine._entries.values():
+    for entry in engine._layout.entries.values():
         local = entry.param.to_local() if isinstance(entry.param, DTensor) else entry.param
         grad = entry.shard.grad.view_as(local)
         if isinstance(entry.param, DTensor):

@@ -109,7 +109,7 @@ class _HeldAfterStep(L.Callback):
         optimizer = trainer.optimizers[0]
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
         binding = getattr(trainer.strategy, "_binding", None)
-        buckets = binding.engine._buckets if binding is not None and binding.bound else []
+        buckets = binding.engine._layout.buckets if binding is not None and binding.bound else []
         engine_grads = [t for b in buckets for t in (b.grads, b.shard_grads, b.shard_pending)]
         states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         self.held = {

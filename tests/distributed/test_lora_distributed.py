@@ -172,8 +172,8 @@ def _fit(layout: str | None, rank: int = 0) -> dict[str, Any]:
     }
     if engine is not None:
         out["engine"] = {
-            "managed": sorted(entry.name for entry in engine._entries.values()),
-            "steps": sorted(engine.parameter_names(opt)),
+            "managed": sorted(entry.name for entry in engine._layout.entries.values()),
+            "steps": sorted(engine.shards.parameter_names(opt)),
         }
     if layout is None or layout in MERGE_LAYOUTS:
         out["merge"] = _merge(module)

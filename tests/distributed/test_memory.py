@@ -58,7 +58,7 @@ from plugintrain.strategies import (
     simulate,
 )
 from plugintrain.strategies.engine_checkpoint import EngineCheckpoint
-from plugintrain.strategies.pipeline import VirtualStage, split_model
+from plugintrain.strategies.pipeline_stages import VirtualStage, split_model
 
 from _harness import run_distributed
 from _toy import ToyModel, ToyShape

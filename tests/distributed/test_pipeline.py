@@ -40,7 +40,7 @@ from plugintrain.strategies import (
     PipelineExecutor,
     PipelineStrategy,
 )
-from plugintrain.strategies.pipeline import split_model
+from plugintrain.strategies.pipeline_stages import split_model
 
 from _harness import run_distributed
 from _toy import ToyModel, ToyShape

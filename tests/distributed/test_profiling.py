@@ -35,7 +35,7 @@ from plugintrain.data.token_bin import write_token_bin
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import GradientEngine, PipelineExecutor, PipelineStrategy
-from plugintrain.strategies.pipeline import split_model
+from plugintrain.strategies.pipeline_stages import split_model
 
 from _harness import run_distributed
 from _toy import ToyModel, ToyShape

@@ -23,8 +23,8 @@ from plugintrain.strategies.balance import (
     measure_one_block,
     simulate_split,
 )
-from plugintrain.strategies.pipeline import PipelineOptions, check_layers
 from plugintrain.strategies.pipeline_schedules import build_schedule, simulate
+from plugintrain.strategies.pipeline_stages import PipelineOptions, check_layers
 
 
 def _gpipe_step(costs: LayerCosts, counts: tuple[int, ...], m: int) -> float:

@@ -17,12 +17,8 @@ from plugintrain.strategies import (
     optimizer_state_bytes,
     register_elementwise_optimizer,
 )
-from plugintrain.strategies.grad_engine import (
-    ELEMENTWISE_OPTIMIZERS,
-    assign_buckets,
-    padded_numel,
-    shard_range,
-)
+from plugintrain.strategies.buckets import assign_buckets, padded_numel, shard_range
+from plugintrain.strategies.optimizer_shards import ELEMENTWISE_OPTIMIZERS
 
 
 @pytest.fixture
@@ -240,8 +236,8 @@ def test_overlap_launches_buckets_from_the_gradient_hooks(overlap: bool) -> None
         model.named_parameters(), stage=2, bucket_size_mb=1 / 16384, overlap_comm=overlap
     )
     events: list[str] = []
-    reduce, finish = engine._scheme.reduce, engine.finish_grad_sync
-    engine._scheme.reduce = lambda bucket: events.append("reduce") or reduce(bucket)
+    reduce, finish = engine._layout.scheme.reduce, engine.finish_grad_sync
+    engine._layout.scheme.reduce = lambda bucket: events.append("reduce") or reduce(bucket)
     engine.finish_grad_sync = lambda: events.append("finish") or finish()
     model(torch.randn(4, 5)).sum().backward()
     # Overlapped: every bucket is launched by the hook of its last gradient, in backward;
@@ -261,8 +257,8 @@ def test_block_backward_sync_accumulates_without_communicating() -> None:
     )
     with strategy.block_backward_sync():
         model(torch.randn(4, 5)).sum().backward()
-    assert strategy.engine.grad_bytes() > strategy.engine._buckets[0].shard_grads.numel() * 4
-    assert all(bucket.work is None for bucket in strategy.engine._buckets)
+    assert strategy.engine.grad_bytes() > strategy.engine._layout.buckets[0].shard_grads.numel() * 4
+    assert all(bucket.work is None for bucket in strategy.engine._layout.buckets)
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -305,11 +301,11 @@ def test_buckets_launch_in_bucket_order_behind_an_incomplete_one() -> None:
     unused parameter's gradient counts as zero."""
     model = _mlp()
     engine = GradientEngine(model.named_parameters(), stage=0, bucket_size_mb=1 / 16384)
-    buckets = engine._buckets
+    buckets = engine._layout.buckets
     assert [entry.name for entry in buckets[0].entries] == ["2.bias"]
     launched: list[int] = []
-    reduce = engine._scheme.reduce
-    engine._scheme.reduce = lambda b: launched.append(buckets.index(b)) or reduce(b)
+    reduce = engine._layout.scheme.reduce
+    engine._layout.scheme.reduce = lambda b: launched.append(buckets.index(b)) or reduce(b)
     model[2].bias.requires_grad_(False)  # no gradient for it in this backward
     model(torch.randn(4, 5)).sum().backward()
     # The other buckets completed first, in backward; they launched at the end, in order.
@@ -328,8 +324,8 @@ def test_launch_starts_a_partitions_buckets_early() -> None:
     )
     assert engine.num_buckets == 2  # one per key, though everything fits in one
     launched = []
-    reduce = engine._scheme.reduce
-    engine._scheme.reduce = lambda b: launched.append(b.entries[0].name) or reduce(b)
+    reduce = engine._layout.scheme.reduce
+    engine._layout.scheme.reduce = lambda b: launched.append(b.entries[0].name) or reduce(b)
     with engine.defer_reduction():
         model(torch.randn(4, 5)).sum().backward()
         assert launched == []

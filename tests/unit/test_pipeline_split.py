@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from plugintrain.model_zoo import Transformer, TransformerConfig
-from plugintrain.strategies.pipeline import check_layers, split_model, stage_layer_keys
 from plugintrain.strategies.pipeline_runtime import TIED, chunk_partition
+from plugintrain.strategies.pipeline_stages import check_layers, split_model, stage_layer_keys
 from plugintrain.strategies.tied import TiedParameters
 
 

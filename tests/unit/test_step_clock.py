@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from plugintrain.strategies.pipeline import StepClock
+from plugintrain.strategies.pipeline_executor import StepClock
 
 
 class _FakeEvent:

@@ -1,62 +1,28 @@
-"""Pipeline parallelism: stage splitting and one executor for every schedule.
+"""The pipeline executor: one rank's side of any schedule, action by action.
 
-:func:`split_model` cuts any :class:`~plugintrain.core.contracts.StagedModel` (the zoo's
-``Transformer``, or a new family that implements the protocol) into this rank's virtual
-stages in place (torchtitan's layout: the ``layers`` ``ModuleDict`` keeps the full-model
-keys of the layers it still holds, and the embedding and head are dropped on the ranks
-that do not run the first or last stage), so parameter names, tensor-parallel plans and
-checkpoints keep their full-model paths. :class:`PipelineOptions` groups how a pipeline
-runs (schedule, micro-batches, uneven stages, wire dtype).
-
-:class:`PipelineExecutor` runs any :class:`~plugintrain.strategies.pipeline_schedules.
-Schedule`: each action is the forward or backward of one micro-batch through one chunk.
-Activations and their gradients travel in the batches of
-:func:`~plugintrain.strategies.pipeline_schedules.p2p_plan`, each posted with one
-``batch_isend_irecv`` (a tag per message for gloo; NCCL matches each link in order):
-before each action, the send of what the previous action produced together with the
-receive this action needs (with vpp > 1 sometimes also a later action's), so two
-neighbours that send to each other at once never wait on each other, as two lone sends
-would on NCCL beyond its eager threshold (NVIDIA/nccl#479). The simulator proves these
-batches complete where every send waits for its receive (``check_rendezvous``). Every
-transfer, even a lone one, goes through ``batch_isend_irecv``, so NCCL carries them all
-on the group's one communicator, in the order the simulator checks; each rank posts its
-first batch before it waits for any other, so every rank of the group joins that
-communicator's lazy creation, which the first ``batch_isend_irecv`` needs. A batch's
-receives are waited for at once. Every message has a fixed shape, ``(micro-batch,
-sequence (/ tp with SP), hidden)``, and a fixed wire dtype (by default the training
-compute dtype: bf16 under bf16 training halves the bytes of fp32), so bf16 autocast
-outputs never meet a receive buffer of another dtype; a received activation is cast to
-the dtype the stage's activations have in one process (``activation_dtype``: bf16
-weights under ``bf16-true`` take bf16 inputs). Activations are freed as soon as
-their backward has run, a sent tensor as soon as the schedule proves it delivered (an
-answer from its receiver has arrived: ``release_points``), and gradients are received
-into reused buffers (one; two where a receive comes an action early). A model with an
-auxiliary loss (:class:`~plugintrain.core.contracts.HasAuxiliaryLoss`: mixture-of-experts
-balance losses) has it taken after each training forward of a chunk and stashed with the
-output; its backward includes it, scaled as the loss is.
-
-As soon as the last backward of a chunk in a training step has run, the executor hands
-the chunk over (``chunk_done``), so the strategy starts reducing its gradients over dp
-while the cool-down runs the other chunks' backward (Megatron-LM's per-chunk overlap).
-Each step leaves an ordered log of what it did (:class:`StepEvent`), and the time it
-spent waiting on transfers: host time on the CPU, CUDA events on the current stream on
-GPUs, where ``wait()`` does not block the host (:class:`StepClock`).
+:class:`PipelineExecutor` runs a :class:`~plugintrain.strategies.pipeline_schedules.
+Schedule` on this rank's virtual stages (:mod:`~plugintrain.strategies.pipeline_stages`):
+each action is the forward or backward of one micro-batch through one chunk
+(:class:`_StageRunner`), and activations and their gradients travel between ranks in the
+batches of :func:`~plugintrain.strategies.pipeline_schedules.p2p_plan`, each posted with
+one ``batch_isend_irecv`` (:class:`_Wire`), in the order the simulator proves cannot hang.
+As soon as a chunk's last backward of a step has run, it is handed over (``chunk_done``)
+so its data-parallel reduction overlaps the rest. Each step leaves a log
+(:class:`StepEvent`) and its time waiting on transfers (:class:`StepClock`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from plugintrain.core.contracts import HasAuxiliaryLoss, StagedModel
-from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.core.contracts import HasAuxiliaryLoss
 from plugintrain.strategies.pipeline_schedules import (
     Action,
     Batch,
@@ -68,202 +34,9 @@ from plugintrain.strategies.pipeline_schedules import (
     p2p_plan,
     release_points,
 )
-from plugintrain.strategies.pipeline_schedules import validate as validate_schedule
+from plugintrain.strategies.pipeline_stages import VirtualStage
 
 ContextFactory = Callable[[], AbstractContextManager]
-AUTO = "auto"
-"""``layers_per_stage: auto``: the split is measured and chosen at setup."""
-
-
-def check_layers(
-    n_layer: int, pp: int, vpp: int, layers_per_stage: Sequence[int] | str | None = None
-) -> None:
-    """Raise a ``ValueError`` naming the fix unless ``n_layer`` splits into ``pp * vpp`` chunks.
-
-    Args:
-        n_layer: Transformer blocks of the model.
-        pp: Pipeline ranks.
-        vpp: Chunks per rank.
-        layers_per_stage: Blocks of each virtual stage, in stage order; None: equal;
-            ``"auto"``: chosen from measured costs (at least one block per stage).
-    """
-    stages = pp * vpp
-    if layers_per_stage == AUTO:
-        if n_layer < stages:
-            raise ValueError(
-                f"layers_per_stage=auto needs a block per stage: n_layer={n_layer} <"
-                f" pipeline_parallel={pp} x virtual_pipeline_parallel={vpp}; use fewer stages"
-            )
-        return
-    if isinstance(layers_per_stage, str):
-        raise ValueError(
-            f"layers_per_stage={layers_per_stage!r} is neither 'auto' nor a list of block"
-            " counts per stage (e.g. [5, 3])"
-        )
-    if layers_per_stage is not None:
-        counts = list(layers_per_stage)
-        if len(counts) != stages or sum(counts) != n_layer or min(counts) < 0:
-            raise ValueError(
-                f"layers_per_stage={counts} must list {stages} (pipeline_parallel={pp} x"
-                f" virtual_pipeline_parallel={vpp}) non-negative layer counts summing to"
-                f" n_layer={n_layer}."
-            )
-        return
-    if n_layer % stages:
-        divisors = [d for d in range(1, n_layer + 1) if n_layer % d == 0]
-        raise ValueError(
-            f"n_layer={n_layer} is not divisible by pipeline_parallel={pp} x"
-            f" virtual_pipeline_parallel={vpp} = {stages} stages; pick pp x vpp among"
-            f" {divisors}, or give layers_per_stage (e.g. fewer layers on the last stage,"
-            " which also runs the head and the loss)."
-        )
-
-
-def stage_layer_keys(
-    n_layer: int, num_stages: int, layers_per_stage: Sequence[int] | None = None
-) -> list[list[str]]:
-    """The ``layers`` keys of each virtual stage: contiguous runs, equal unless given."""
-    counts = list(layers_per_stage or [n_layer // num_stages] * num_stages)
-    starts = [sum(counts[:s]) for s in range(num_stages)]
-    return [
-        [str(i) for i in range(start, start + n)] for start, n in zip(starts, counts, strict=True)
-    ]
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """How a pipeline runs, beside its degrees (``pipeline_parallel`` and
-    ``virtual_pipeline_parallel`` are degrees of the mesh and live in ``ParallelDims``).
-
-    Build it with :meth:`resolve`, which fills the defaults from the degrees and refuses
-    a schedule that cannot run them.
-    """
-
-    schedule: str = "1f1b"
-    """``gpipe``, ``1f1b`` or ``interleaved``."""
-    microbatches: int = 1
-    """Micro-batches each batch is cut into."""
-    layers_per_stage: tuple[int, ...] | Literal["auto"] | None = None
-    """Blocks of each virtual stage, in stage order; None: equal; ``"auto"``: measured
-    and chosen when the strategy sets up (:mod:`~plugintrain.strategies.balance`)."""
-    wire_dtype: torch.dtype | None = None
-    """Dtype of the activations and gradients sent between stages; None: the training
-    compute dtype (bf16 under ``bf16-mixed``/``bf16-true``, fp16 under ``16-mixed``,
-    fp32 under ``32-true``), chosen by the runtime from the precision plugin."""
-
-    @classmethod
-    def resolve(
-        cls,
-        dims: ParallelDims,
-        schedule: str | None = None,
-        microbatches: int | None = None,
-        layers_per_stage: Sequence[int] | str | None = None,
-        wire_dtype: torch.dtype | str | None = None,
-    ) -> PipelineOptions:
-        """Defaults from ``dims`` (``1f1b``, or ``interleaved`` with vpp > 1; ``microbatches =
-        pipeline_parallel``), validated when ``dims`` has a pipeline.
-
-        Raises:
-            ValueError: On a schedule that cannot run the degrees, or an unknown dtype.
-        """
-        vpp = dims.virtual_pipeline_parallel
-        options = cls(
-            schedule=schedule or ("interleaved" if vpp > 1 else "1f1b"),
-            microbatches=dims.pipeline_parallel if microbatches is None else microbatches,
-            layers_per_stage=_layer_counts(layers_per_stage),
-            wire_dtype=_dtype(wire_dtype),
-        )
-        if dims.pipeline_parallel > 1:
-            validate_schedule(dims.pipeline_parallel, vpp, options.microbatches, options.schedule)
-        return options
-
-
-def _layer_counts(value: Sequence[int] | str | None) -> tuple[int, ...] | Literal["auto"] | None:
-    if value is None or value == AUTO:
-        return value  # type: ignore[return-value]
-    if isinstance(value, str):
-        raise ValueError(
-            f"layers_per_stage={value!r} is neither 'auto' nor a list of block counts per"
-            " stage (e.g. [5, 3])"
-        )
-    return tuple(value)
-
-
-def _dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, str(value).removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"wire_dtype={value!r} is not a torch dtype; use e.g. 'float32'.")
-    return dtype
-
-
-@dataclass
-class VirtualStage:
-    """One virtual stage of a split :class:`~plugintrain.core.contracts.StagedModel`: which of
-    the model's blocks it runs, and whether it embeds (first) or runs the head (last).
-
-    Not a module: the modules stay registered on the split model, under their full-model
-    names, so plans and checkpoints keep their paths.
-    """
-
-    model: StagedModel
-    index: int
-    """The virtual stage's place in the whole pipeline (0 embeds, the last runs the head)."""
-    layer_keys: list[str]
-    is_first: bool
-    is_last: bool
-
-    def __call__(self, x: Tensor, seq_len: int) -> Tensor:
-        """Token ids ``(B, T)`` (first stage) or hidden states in; hidden states or logits out.
-
-        Args:
-            x: The stage input.
-            seq_len: The full sequence length ``T`` (hidden states may be sequence shards).
-        """
-        positions = torch.arange(seq_len, device=x.device)
-        h = self.model.embed(x, positions) if self.is_first else x
-        h = self.model.run_layers(h, self.layer_keys, positions)
-        return self.model.head(h) if self.is_last else h
-
-
-def split_model(
-    model: StagedModel,
-    rank: int,
-    pp: int,
-    vpp: int = 1,
-    layers_per_stage: Sequence[int] | None = None,
-) -> list[VirtualStage]:
-    """Keep only pipeline rank ``rank``'s ``vpp`` virtual stages of ``model`` (in place).
-
-    Virtual stage ``c * pp + rank`` is the rank's chunk ``c``. The first stage keeps the
-    embeddings, the last the final norm and the head (see ``StagedModel.keep_stage``). A
-    head tied to the embedding stays the same ``Parameter`` on the last stage; the
-    strategy keeps the two copies equal (:mod:`plugintrain.strategies.tied`).
-
-    Args:
-        model: The full model, the same (seeded) on every rank; its ``layers`` keys are
-            ``"0"`` to ``str(n_layer - 1)``.
-        rank: This pipeline rank.
-        pp: Pipeline ranks.
-        vpp: Virtual stages per rank.
-        layers_per_stage: Blocks of each virtual stage (e.g. ``[5, 3]`` to give the
-            last stage, which also runs the head, fewer); None: equal runs.
-
-    Returns:
-        The rank's virtual stages, in chunk order.
-    """
-    n_layer = len(model.layers)
-    check_layers(n_layer, pp, vpp, layers_per_stage)
-    num_stages = pp * vpp
-    keys = stage_layer_keys(n_layer, num_stages, layers_per_stage)
-    stages = [c * pp + rank for c in range(vpp)]
-    owned = {key for s in stages for key in keys[s]}
-    model.keep_stage(owned, first=0 in stages, last=num_stages - 1 in stages)
-    return [
-        VirtualStage(model, s, keys[s], is_first=s == 0, is_last=s == num_stages - 1)
-        for s in stages
-    ]
 
 
 def _timing_event() -> Any:
@@ -447,11 +220,100 @@ Plan = tuple[list[Batch], dict[int, list[Message]], dict[int, int]]
 chunk's gradients are final (index -> chunk)."""
 
 
+class _StageRunner:
+    """What one action does to one of the rank's chunks.
+
+    A forward takes its input from the batch (first stage) or the wire and leaves its
+    output on the wire, or its loss (last stage); a backward takes the output's gradient
+    from the wire and leaves the input's there. In between, the activations wait in the
+    step's stash, with the chunk's auxiliary loss (:class:`~plugintrain.core.contracts.
+    HasAuxiliaryLoss`), which the backward includes, scaled as the loss is. The arguments
+    are :class:`PipelineExecutor`'s of the same names; ``wire`` is the rank's traffic.
+    """
+
+    def __init__(
+        self,
+        stages: list[VirtualStage],
+        wire: _Wire,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        forward_context: ContextFactory,
+        backward_context: ContextFactory,
+        record_range: Callable[[str], AbstractContextManager],
+        activation_dtype: torch.dtype | None,
+    ) -> None:
+        self.stages = stages
+        self.wire = wire
+        self.loss_fn = loss_fn
+        self.forward_context = forward_context
+        self.backward_context = backward_context
+        self.record_range = record_range
+        self.activation_dtype = activation_dtype
+
+    def forward(
+        self,
+        action: Action,
+        inputs: list[Tensor],
+        targets: list[Tensor],
+        seq_len: int,
+        training: bool,
+        stash: dict,
+        losses: list[Tensor],
+    ) -> None:
+        stage = self.stages[action.chunk]
+        mb = action.microbatch
+        if stage.is_first:
+            x = inputs[mb]
+        else:
+            x = self.wire.inbox.pop(("F", stage.index - 1, mb))
+            if self.activation_dtype is not None:  # the wire may carry another dtype
+                x = x.to(self.activation_dtype)
+            x.requires_grad_(training)
+        with self.record_range("forward"), self.forward_context():
+            out = stage(x, seq_len)
+            if stage.is_last:
+                out = self.loss_fn(out, targets[mb])
+        if stage.is_last:
+            losses.append(out.detach().float())
+        else:
+            self.wire.outbox[("F", stage.index, mb)] = out
+        if training:
+            aux = stage.model.take_aux_loss() if isinstance(stage.model, HasAuxiliaryLoss) else None
+            stash[(action.chunk, mb)] = (None if stage.is_first else x, out, aux)
+
+    def backward(
+        self,
+        action: Action,
+        stash: dict,
+        loss_scale: float,
+        scale_loss: Callable[[Tensor], Tensor] | None,
+    ) -> None:
+        stage = self.stages[action.chunk]
+        mb = action.microbatch
+        x, out, aux = stash.pop((action.chunk, mb))
+        with self.record_range("backward"), self.backward_context():
+            if stage.is_last:
+                loss = out if aux is None else out + aux
+                torch.autograd.backward(_scaled(loss, loss_scale, scale_loss))
+            else:
+                grad = self.wire.inbox.pop(("B", stage.index + 1, mb))
+                outputs, grads = [out], [grad.to(out.dtype)]
+                if aux is not None:  # this chunk's share of the loss, scaled alike
+                    outputs.append(_scaled(aux, loss_scale, scale_loss))
+                    grads.append(None)
+                torch.autograd.backward(outputs, grads)
+                self.wire.reuse(grad)
+        if x is not None:
+            assert x.grad is not None
+            self.wire.outbox[("B", stage.index, mb)] = x.grad
+        del x, out, aux  # the activations of this micro-batch and chunk are free now
+
+
 class PipelineExecutor:
     """Runs a schedule's actions for one pipeline rank.
 
     Args:
-        stages: This rank's virtual stages, in chunk order (from :func:`split_model`).
+        stages: This rank's virtual stages, in chunk order (from
+            :func:`~plugintrain.strategies.pipeline_stages.split_model`).
         schedule: ``gpipe``, ``1f1b`` or ``interleaved``.
         pp: Pipeline ranks.
         vpp: Chunks per rank.
@@ -502,20 +364,18 @@ class PipelineExecutor:
     ) -> None:
         if len(stages) != vpp:
             raise ValueError(f"Rank {rank} got {len(stages)} virtual stages for vpp={vpp}.")
-        self.stages = stages
         self.pp, self.vpp, self.rank = pp, vpp, rank
         self.train_schedule = build_schedule(schedule, pp, vpp, microbatches)
         self._plans: dict[tuple, Plan] = {}
         self.group = group
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
         self._wire = _Wire(self.peers, group, wire_dtype, record_range)
-        self.record_range = record_range
-        self.loss_fn = loss_fn
+        self._runner = _StageRunner(
+            stages, self._wire, loss_fn, forward_context, backward_context, record_range,
+            activation_dtype,
+        )  # fmt: skip
         self.hidden_size = hidden_size
         self.seq_divisor = seq_divisor
-        self.forward_context = forward_context
-        self.backward_context = backward_context
-        self.activation_dtype = activation_dtype
         self.chunk_done = chunk_done
         # Per step; kept as attributes so tests and benchmarks can read them.
         self.peak_stashed = 0
@@ -616,10 +476,10 @@ class PipelineExecutor:
                 wire.post(batches[index], shape, device)  # the last send, this input
                 self._note(action.kind, action.chunk, action.microbatch)
                 if action.kind == "F":
-                    self._forward(action, inputs, targets, seq_len, training, stash, losses)
+                    self._runner.forward(action, inputs, targets, seq_len, training, stash, losses)
                     self.peak_stashed = max(self.peak_stashed, len(stash))
                 else:
-                    self._backward(action, stash, loss_scale, scale_loss)
+                    self._runner.backward(action, stash, loss_scale, scale_loss)
                 if index in chunk_ends and self.chunk_done is not None:
                     self._note("R", action.chunk, None)
                     self.chunk_done(action.chunk)
@@ -634,64 +494,6 @@ class PipelineExecutor:
 
     def _note(self, kind: Literal["F", "B", "R"], chunk: int, microbatch: int | None) -> None:
         self.events.append(StepEvent(kind, chunk, microbatch, time.perf_counter()))
-
-    def _forward(
-        self,
-        action: Action,
-        inputs: list[Tensor],
-        targets: list[Tensor],
-        seq_len: int,
-        training: bool,
-        stash: dict,
-        losses: list[Tensor],
-    ) -> None:
-        stage = self.stages[action.chunk]
-        mb = action.microbatch
-        if stage.is_first:
-            x = inputs[mb]
-        else:
-            x = self._wire.inbox.pop(("F", stage.index - 1, mb))
-            if self.activation_dtype is not None:  # the wire may carry another dtype
-                x = x.to(self.activation_dtype)
-            x.requires_grad_(training)
-        with self.record_range("forward"), self.forward_context():
-            out = stage(x, seq_len)
-            if stage.is_last:
-                out = self.loss_fn(out, targets[mb])
-        if stage.is_last:
-            losses.append(out.detach().float())
-        else:
-            self._wire.outbox[("F", stage.index, mb)] = out
-        if training:
-            aux = stage.model.take_aux_loss() if isinstance(stage.model, HasAuxiliaryLoss) else None
-            stash[(action.chunk, mb)] = (None if stage.is_first else x, out, aux)
-
-    def _backward(
-        self,
-        action: Action,
-        stash: dict,
-        loss_scale: float,
-        scale_loss: Callable[[Tensor], Tensor] | None,
-    ) -> None:
-        stage = self.stages[action.chunk]
-        mb = action.microbatch
-        x, out, aux = stash.pop((action.chunk, mb))
-        with self.record_range("backward"), self.backward_context():
-            if stage.is_last:
-                loss = out if aux is None else out + aux
-                torch.autograd.backward(_scaled(loss, loss_scale, scale_loss))
-            else:
-                grad = self._wire.inbox.pop(("B", stage.index + 1, mb))
-                outputs, grads = [out], [grad.to(out.dtype)]
-                if aux is not None:  # this chunk's share of the loss, scaled alike
-                    outputs.append(_scaled(aux, loss_scale, scale_loss))
-                    grads.append(None)
-                torch.autograd.backward(outputs, grads)
-                self._wire.reuse(grad)
-        if x is not None:
-            assert x.grad is not None
-            self._wire.outbox[("B", stage.index, mb)] = x.grad
-        del x, out, aux  # the activations of this micro-batch and chunk are free now
 
 
 def _scaled(
