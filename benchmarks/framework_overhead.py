@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from plugintrain.cli import PluginTrainCLI
+from plugintrain.lightning_cli import PluginTrainCLI
 
 from _timing import StepTimer
 

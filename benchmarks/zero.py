@@ -30,11 +30,13 @@ from _launch import run_ranks
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
-import plugintrain.strategies  # noqa: F401  (registers the short names)
+import plugintrain.strategies
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.strategies import optimizer_state_bytes
 
 from _timing import StepTimer
+
+plugintrain.strategies.register()  # zero1, zero2, hybrid, ... by name
 
 CONFIGS = ["ddp", "torch_zero_optimizer", "ddp_bucketed", "zero1", "zero2", "parameter_server"]
 LR = 3e-4

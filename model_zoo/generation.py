@@ -1,10 +1,16 @@
-"""Sampling text from a transformer: a KV cache prefilled once, then one token per step."""
+"""Sampling text from a transformer (a KV cache prefilled once, then one token per step),
+and what a language model offers its users without Lightning."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.pretrained import build_transformer, resolve_config
 from plugintrain.model_zoo.transformer import Transformer
 
 
@@ -85,3 +91,55 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torc
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+
+
+class TextGenerator:
+    """What a module holding a transformer as ``model`` (and its ``config``) offers a user
+    of language models: its sizes, logits and :func:`generate`. Mixed into
+    :class:`~plugintrain.model_zoo.CausalLM` and :class:`PretrainedLM`."""
+
+    model: Transformer | None
+    config: TransformerConfig
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the model covers."""
+        return self.config.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence the model accepts (``block_size``)."""
+        return self.config.block_size
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`."""
+        return self.model(tokens, input_pos)
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
+        """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens; the
+        sampling options (``temperature``, ``top_k``, ``use_cache``, ``eos_id``) are
+        :func:`generate`'s. Call ``eval()`` first when the config has dropout."""
+        return generate(self.model, idx, max_new_tokens, **sampling)
+
+
+class PretrainedLM(TextGenerator, nn.Module):
+    """A language model to sample from, built as :class:`~plugintrain.model_zoo.CausalLM`
+    builds its transformer but without Lightning (``plugintrain generate``).
+
+    Args:
+        config: A preset name, fields or a config; None: the one ``weights`` holds.
+        weights: Pretrained weights or a checkpoint (any format plugintrain reads); None:
+            random weights.
+    """
+
+    def __init__(
+        self, config: str | dict | TransformerConfig | None = None, weights: str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = resolve_config(config, weights)
+        self.model = build_transformer(self.config, weights)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are."""
+        return next(self.model.parameters()).device

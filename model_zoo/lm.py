@@ -2,7 +2,6 @@
 
 import functools
 import math
-from typing import Any
 
 import lightning as L
 import torch
@@ -10,12 +9,12 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from plugintrain.checkpoints.portable import PortableCheckpoints
 from plugintrain.core.contracts import TokenBytesSource
-from plugintrain.core.pretrained import open_pretrained
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.cross_entropy import token_cross_entropy
 from plugintrain.model_zoo.families import tp_plan
-from plugintrain.model_zoo.generation import generate
+from plugintrain.model_zoo.generation import TextGenerator
 from plugintrain.model_zoo.metrics import EvalMetrics
+from plugintrain.model_zoo.pretrained import build_transformer, load_pretrained, resolve_config
 from plugintrain.model_zoo.routing_stats import RoutingHooks
 from plugintrain.model_zoo.transformer import Transformer
 
@@ -33,7 +32,7 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
+class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModule):
     """A decoder-only language model trained on next-token prediction.
 
     The transformer is built in :meth:`configure_model`, so a strategy can build it on the
@@ -74,7 +73,7 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
         # `load_from_checkpoint` from reading the checkpoint with `weights_only=True`.
         self.save_hyperparameters(ignore=["optimizer"])
         self.weights = weights
-        self.config = _resolve_config(config, weights)
+        self.config = resolve_config(config, weights)
         if weights is not None:  # checkpoints hold the architecture and need no weights file
             self.hparams["config"] = self.config
             del self.hparams["weights"]
@@ -92,20 +91,10 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
         its steps add and skip (the adapters' matmuls; no weight gradients of frozen ones)."""
         self.eval_metrics = torch.nn.ModuleDict({"val": EvalMetrics(), "test": EvalMetrics()})
 
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the model covers."""
-        return self.config.vocab_size
-
-    @property
-    def max_seq_len(self) -> int:
-        """Longest sequence the model accepts (``block_size``)."""
-        return self.config.block_size
-
     def configure_model(self) -> None:
         """Build the transformer, once (Lightning may call this hook more than once)."""
         if self.model is None:
-            self.model = _build(self.config, self.weights)
+            self.model = build_transformer(self.config, self.weights)
 
     @property
     def init_seed(self) -> int:
@@ -125,7 +114,7 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
             self.model.init_weights()
             return
         self.model.init_buffers()
-        _load_pretrained(self.model, self.config, self.weights)
+        load_pretrained(self.model, self.config, self.weights)
 
     def one_block_model(self) -> Transformer:
         """A one-block transformer of this architecture (``config.one_block()``), randomly
@@ -136,10 +125,6 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
         """The family's tensor-parallel plan, keyed by paths under this module (``model.*``);
         the query/key norms' entries follow ``config.qk_norm``, whatever the family."""
         return {f"model.{pattern}": style for pattern, style in tp_plan(self.config).items()}
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`."""
-        return self.model(tokens, input_pos)
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean fp32 cross-entropy of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)``."""
@@ -228,54 +213,6 @@ class CausalLM(PortableCheckpoints, RoutingHooks, L.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
-        """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens; the
-        sampling options (``temperature``, ``top_k``, ``use_cache``, ``eos_id``) are
-        :func:`plugintrain.model_zoo.generation.generate`'s. Call ``eval()`` first when the
-        config has dropout."""
-        return generate(self.model, idx, max_new_tokens, **sampling)
-
-
-def _build(config: TransformerConfig, weights: str | None) -> Transformer:
-    """The transformer, randomly initialized, or holding the pretrained ``weights``.
-
-    Pretrained: built on meta and allocated without drawing random values; under a
-    strategy's meta-device context the strategy allocates it, then calls ``init_weights``.
-    """
-    if weights is None:
-        return Transformer(config)
-    device = torch.empty(()).device
-    with torch.device("meta"):
-        model = Transformer(config)
-    if device.type != "meta":
-        model.to_empty(device=device)
-        model.init_buffers()
-        _load_pretrained(model, config, weights)
-    return model
-
-
-def _load_pretrained(model: Transformer, config: TransformerConfig, weights: str) -> None:
-    """Copy the pretrained ``weights`` into the parts of ``model`` this rank holds."""
-    open_pretrained(weights).load_into(model, config)
-
-
-def _resolve_config(
-    config: str | dict | TransformerConfig | None, weights: str | None
-) -> TransformerConfig:
-    """The architecture: ``config`` (a preset name, fields or a config), else the one the
-    ``weights`` file describes, with the tokenizer that came with it."""
-    if isinstance(config, dict):  # saved as its fields (PortableCheckpoints)
-        config = TransformerConfig.from_dict(config)
-    elif isinstance(config, str):
-        config = TransformerConfig.from_name(config)
-    if weights is None:
-        return config or TransformerConfig.from_name("gpt2-debug")
-    found = open_pretrained(weights)
-    if config is not None:
-        found.check_architecture(config)
-        return config
-    return found.config
 
 
 def _bits_per_byte(

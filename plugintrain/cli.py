@@ -1,350 +1,25 @@
-"""The ``plugintrain`` command line: LightningCLI for training, small tools beside it.
+"""The ``plugintrain`` command line: one entry point, :func:`main`, that imports nothing heavy
+until it knows what runs.
 
-``plugintrain fit|validate|test|predict --config recipes/<recipe>.yaml`` runs through
-:class:`PluginTrainCLI`; ``plugintrain prepare|generate`` are plain tools that need no
-Trainer. Both halves share one entry point, :func:`main`.
+``plugintrain prepare|generate|convert|...`` are plain tools (:mod:`plugintrain.tools`)
+that need no Trainer and load torch only once their arguments are checked;
+``plugintrain fit|validate|test|predict`` run through
+:class:`~plugintrain.lightning_cli.PluginTrainCLI`, imported (with Lightning) only after the
+command, the ``--config`` recipe and the ``--trainer.*`` option names have been checked.
 """
 
 from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 
-import torch
-from jsonargparse import set_parsing_settings
-from jsonargparse.typing import import_object
-from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import (
-    LearningRateMonitor,
-    ModelCheckpoint,
-    ModelSummary,
-    ProgressBar,
-)
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.plugins.precision import Precision
-from typing_extensions import override
+from plugintrain.cli_messages import ConfigError, unknown_option
+from plugintrain.lightning_options import trainer_options
 
-import plugintrain.strategies  # noqa: F401  (registers zero1/zero2/... with Lightning)
-from plugintrain.callbacks import (
-    CountedFlopsSummary,
-    PhaseProfiler,
-    StepProgressBar,
-    StepStatsMonitor,
-    TokenThroughputMonitor,
-)
-from plugintrain.callbacks.lora import resume_base
-from plugintrain.checkpoints.lightning_io import SafeCheckpointIO
-from plugintrain.checkpoints.resume import (
-    checkpoint_entry,
-    checkpoint_hparams,
-    reconcile,
-    resolve_ckpt_path,
-)
-from plugintrain.cli_messages import (
-    ConfigError,
-    check_strategy_name,
-    precision_help,
-    strategy_help,
-    user_message,
-)
-from plugintrain.core.elastic import launching_rank
-from plugintrain.data import family_tokenizer
-from plugintrain.model_zoo.lora import RECORD_KEY as LORA_RECORD
-from plugintrain.precision_plugins import canonical_precision_name, precision_plugin_from_name
-
-# Config dataclasses document their fields with attribute docstrings; show them in --help.
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
-
-
-def _use_our_precision_plugin(trainer_config: dict[str, Any]) -> None:
-    """Turn ``trainer.precision: <name>`` into plugintrain's precision plugin of that name.
-
-    Our plugins agree found-inf and the global gradient norm across shards and keep
-    ``16-mixed`` in fp16 on CPU, where Lightning's own would silently switch to bf16.
-    Names we do not register (``64-true``, ``16-true``, ...) stay with Lightning.
-    """
-    name = canonical_precision_name(trainer_config.get("precision"))
-    if name is None:
-        return
-    plugins = trainer_config.get("plugins") or []
-    plugins = plugins if isinstance(plugins, list) else [plugins]
-    if any(isinstance(plugin, Precision) for plugin in plugins):
-        raise ValueError(
-            f"trainer.precision={trainer_config['precision']!r} and a precision plugin in "
-            "trainer.plugins both set the precision; keep only one of them."
-        )
-    trainer_config["precision"] = None
-    trainer_config["plugins"] = [*plugins, precision_plugin_from_name(name)]
-
-
-def _use_our_checkpoint_io(trainer_config: dict[str, Any]) -> None:
-    """Single-file checkpoints through :class:`SafeCheckpointIO` (atomic saves, no code run
-    on load, sharded directories readable in one process) unless one is configured."""
-    plugins = trainer_config.get("plugins") or []
-    plugins = plugins if isinstance(plugins, list) else [plugins]
-    if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
-        trainer_config["plugins"] = [*plugins, SafeCheckpointIO()]
-
-
-def _shared_checkpoint_dir(logger: Any) -> str | None:
-    """``<save_dir>/<name>/checkpoints`` of a configured logger, shared by its versions.
-
-    Lightning's default puts checkpoints under the logger's new ``version_N``, where
-    ``--ckpt_path last`` of a later run cannot find them. A directory per recipe keeps
-    ``last`` working; ModelCheckpoint writes ``last-v1.ckpt`` rather than overwrite an
-    earlier run's ``last.ckpt``, and ``last`` resolves to the newest.
-    """
-    init_args = getattr(logger, "init_args", None)
-    save_dir = getattr(init_args, "save_dir", None)
-    if save_dir is None:
-        return None
-    return str(Path(save_dir) / (getattr(init_args, "name", None) or "") / "checkpoints")
-
-
-def _fill_checkpoint_dir(config: Any) -> str | None:
-    """Set and return ModelCheckpoint's directory (the logger's shared one by default)."""
-    if config.get("checkpoint") is None:
-        return None
-    if config.checkpoint.dirpath is None:
-        config.checkpoint.dirpath = _shared_checkpoint_dir(config.trainer.logger)
-    return config.checkpoint.dirpath
-
-
-def _model_attribute(name: str) -> Callable[[Any], Any]:
-    """Read ``name`` off the built model; None for models without it (e.g. MNIST)."""
-    return lambda model: getattr(model, name, None)
-
-
-def _model_tokenizer(model: Any) -> str | None:
-    """The tokenizer whose ids the built model reads: its config's ``tokenizer`` (one that
-    came with pretrained weights), else its family's; None if unknown."""
-    config = getattr(model, "config", None)
-    return getattr(config, "tokenizer", None) or family_tokenizer(getattr(config, "family", None))
-
-
-def _document_names(parser: LightningArgumentParser) -> None:
-    """Put plugintrain's strategy and precision names into ``--help``."""
-    for option, names in (
-        ("--trainer.strategy", strategy_help()),
-        ("--trainer.precision", precision_help()),
-    ):
-        action = parser._option_string_actions[option]  # argparse's only index of options
-        action.help = f"{names.replace('%', '%%')} {action.help or ''}"
-
-
-def _display_callbacks(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
-    """plugintrain's progress bar and model summary, where Lightning would add its own."""
-    if config.get("barebones"):
-        return []
-    given = config.get("callbacks") or []
-    present = [*(given if isinstance(given, list) else [given]), *callbacks]
-    shown: list[Callback] = []
-    if config.get("enable_progress_bar") is not False and not any(
-        isinstance(c, ProgressBar) for c in present
-    ):
-        shown.append(StepProgressBar())
-    if config.get("enable_model_summary") is not False and not any(
-        isinstance(c, ModelSummary) for c in present
-    ):
-        shown.append(CountedFlopsSummary())
-    return shown
-
-
-MATMUL_PRECISION_HELP = (
-    "torch.set_float32_matmul_precision for fp32 matmuls, in every process: 'high' lets"
-    " them run on TF32 tensor cores (Ampere and newer NVIDIA GPUs: 10 mantissa bits,"
-    " several times the fp32 rate), 'medium' also on bf16 ones, 'highest' keeps full fp32."
-    " Unset: torch's default ('highest'), so '32-true' training never uses TF32. MFU's fp32"
-    " peak follows it (the TF32 rate unless 'highest')."
-)
-
-
-def _set_matmul_precision(precision: str | None) -> None:
-    """Apply ``--matmul_precision`` before the Trainer exists (its callbacks read it)."""
-    if precision is not None:
-        torch.set_float32_matmul_precision(precision)
-
-
-def _phase_profiler(enabled: bool, config: dict[str, Any]) -> list[Callback]:
-    """A :class:`PhaseProfiler` with its defaults for ``--profile_phases``, unless the
-    configured callbacks already hold one."""
-    given = config.get("callbacks") or []
-    given = given if isinstance(given, list) else [given]
-    if not enabled or any(isinstance(c, PhaseProfiler) for c in given):
-        return []
-    return [PhaseProfiler()]
-
-
-class PluginTrainCLI(LightningCLI):
-    """LightningCLI with plugintrain's defaults.
-
-    Always present (configurable under their own keys): ``checkpoint`` (ModelCheckpoint,
-    keeps ``last.ckpt``), ``lr_monitor``, ``throughput`` and ``step_stats`` (grad norm, loss
-    scale, peak memory). The logger defaults to
-    TensorBoard under ``runs/``, and the resolved ``config.yaml`` is saved beside the logs.
-    Checkpoints go to ``<save_dir>/<name>/checkpoints`` (shared by the logger's versions,
-    so ``--ckpt_path last`` resumes the newest run). The model's ``vocab_size`` and
-    ``max_seq_len`` are linked into the datamodule so token files are checked against the
-    model before training starts, and so is the tokenizer the token files were made with.
-    ``--profile_phases true`` adds a :class:`~plugintrain.callbacks.PhaseProfiler` (a
-    Chrome trace per rank and a per-phase table; ``--trainer.profiler`` selects Lightning's).
-    ``--matmul_precision high`` lets fp32 matmuls use TF32 (``torch.set_float32_matmul_precision``).
-    ``trainer.precision`` names (``32-true``, ``bf16-true``, ``bf16-mixed``, ``16-mixed``)
-    select plugintrain's precision plugins, and importing this module registers
-    plugintrain's strategy names; ``--help`` lists both.
-
-    Options are never abbreviated. A mistake found before the run is launched (parsing,
-    checks, building the classes) raises :class:`ConfigError`, whose message is one line
-    naming the value and the fix; a bug keeps its exception and traceback.
-    """
-
-    def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("auto_configure_optimizers", False)
-        self._launched = False
-        try:
-            super().__init__(args=args, run=run, **kwargs)
-        except Exception as error:
-            message = None if self._launched else user_message(error, self._option_names())
-            if message is None:
-                raise
-            raise ConfigError(message) from error
-
-    @override
-    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
-        # Abbreviations let `--trainer.max_step 3` set max_steps (jsonargparse 5 drops them);
-        # errors raise instead of printing the whole usage, for __init__ to make one line.
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("exit_on_error", False)
-        return super().init_parser(**kwargs)
-
-    def _option_names(self) -> list[str]:
-        """Every ``--option`` of the parsers built so far (for "did you mean")."""
-        parsers = [
-            getattr(self, "parser", None),
-            *getattr(self, "_subcommand_parsers", {}).values(),
-        ]
-        options = {o for p in parsers if p is not None for o in p._option_string_actions}
-        return sorted(o for o in options if o.startswith("--"))
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.add_argument(
-            "--resume_overrides",
-            type=list[str],
-            default=[],
-            help="Model options to take from this run, not from --ckpt_path's checkpoint.",
-        )
-        parser.set_defaults({"checkpoint.save_last": True})
-        parser.add_argument(
-            "--profile_phases",
-            type=bool,
-            default=False,
-            help="Profile forward, backward, optimizer and communication per rank"
-            " (plugintrain.callbacks.PhaseProfiler with its defaults; configure it under"
-            " trainer.callbacks for others): Chrome traces in the log directory and a"
-            " per-phase table at the end.",
-        )
-        parser.add_argument(
-            "--matmul_precision",
-            type=Literal["highest", "high", "medium"] | None,
-            default=None,
-            help=MATMUL_PRECISION_HELP,
-        )
-        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
-        parser.add_lightning_class_args(TokenThroughputMonitor, "throughput")
-        parser.add_lightning_class_args(StepStatsMonitor, "step_stats")
-        parser.set_defaults(
-            {
-                "trainer.logger": {
-                    "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-                    "init_args": {"save_dir": "runs", "name": "default"},
-                }
-            }
-        )
-        links = {name: _model_attribute(name) for name in ("vocab_size", "max_seq_len")}
-        for name, value in {**links, "tokenizer": _model_tokenizer}.items():
-            # Linked on instantiation: the value comes from the built model, so a preset
-            # name and config overrides are already resolved. Datamodules without the
-            # argument (MNIST) are left alone by the link.
-            parser.link_arguments("model", f"data.init_args.{name}", value, apply_on="instantiate")
-        _document_names(parser)
-
-    @override
-    def _parse_ckpt_path(self) -> None:
-        # Replaces LightningCLI's, which unpickles the file, ignores `last` and silently
-        # trains the checkpoint's model over the options given: see plugintrain.checkpoints.resume.
-        subcommand = self.config.get("subcommand")
-        config = self.config.get(str(subcommand)) if subcommand else None
-        if config is None or "ckpt_path" not in config:
-            return
-        directory = _fill_checkpoint_dir(config)
-        config.ckpt_path = resolve_ckpt_path(config.ckpt_path, directory)
-        if config.ckpt_path is not None:
-            self._resume_model_options(subcommand, config)
-
-    def _resume_model_options(self, subcommand: str, config: Any) -> None:
-        """Model options from the checkpoint where the run leaves them at their defaults;
-        an error for options it sets otherwise (unless in ``--resume_overrides``)."""
-        saved = checkpoint_hparams(config.ckpt_path)
-        model = config.get("model")
-        if not saved or model is None or model.get("init_args") is None:
-            return
-        given = model.init_args.as_dict()
-        model_class = import_object(model.class_path)
-        overrides = list(config.get("resume_overrides") or [])
-        merged = reconcile(config.ckpt_path, saved, given, model_class, overrides)
-        record = checkpoint_entry(config.ckpt_path, LORA_RECORD)
-        if record is not None:  # LoRA: the base weights come from their file
-            callbacks = config.trainer.get("callbacks")
-            merged["weights"] = resume_base(
-                config.ckpt_path, record, merged.get("weights"), callbacks, launching_rank()
-            )
-        elif merged.get("weights") is not None:  # the checkpoint's replace them: never read
-            merged["weights"] = None
-        taken = {k: v for k, v in merged.items() if v is not given.get(k)}
-        if taken:
-            update = {subcommand: {"model": {"class_path": model.class_path, "init_args": taken}}}
-            self.config = self.parser.parse_object(update, self.config)
-
-    @override
-    def before_instantiate_classes(self) -> None:
-        config = self.config.get(str(self.subcommand), self.config)
-        check_strategy_name(config.trainer.strategy)
-        _fill_checkpoint_dir(config)
-
-    @override
-    def after_instantiate_classes(self) -> None:
-        # Strategies that can check the model against their layout (hybrid: heads, vocab,
-        # seq_len divisible by tp) and callbacks that can check it (LoRA) do it here,
-        # before any process is launched.
-        check_model = getattr(self.trainer.strategy, "check_model", None)
-        if callable(check_model):
-            check_model(self.model, self.datamodule)
-        for callback in self.trainer.callbacks:  # LoRA: its globs against the model's modules
-            check = getattr(callback, "check_model", None)
-            if callable(check):
-                check(self.model)
-        super().after_instantiate_classes()
-
-    @override
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        _use_our_precision_plugin(config)
-        _use_our_checkpoint_io(config)
-        _set_matmul_precision(self._get(self.config_init, "matmul_precision"))
-        profiler = _phase_profiler(bool(self._get(self.config_init, "profile_phases")), config)
-        return super()._instantiate_trainer(
-            config, [*callbacks, *profiler, *_display_callbacks(config, callbacks)]
-        )
-
-    @override
-    def _run_subcommand(self, subcommand: str) -> None:
-        self._launched = True  # from here on, errors are the run's, with their tracebacks
-        super()._run_subcommand(subcommand)
+TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
+"""LightningCLI's subcommands (``PluginTrainCLI.subcommands()``, without importing it)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,10 +34,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] in TOOLS:
         return TOOLS[args[0]](args[1:])
     try:
-        _check_command(args[0], [*PluginTrainCLI.subcommands(), *TOOLS])
+        _check_command(args[0], [*TRAINING_COMMANDS, *TOOLS])
         args = resolve_config_args(args)  # --config NAME: a packaged recipe
+        _check_trainer_options(args[1:])
         if argv is None:  # LightningCLI reads sys.argv itself; passing it again only warns
             sys.argv[1:] = args
+        from plugintrain.lightning_cli import PluginTrainCLI
+
         PluginTrainCLI(args=None if argv is None else args)
     except ConfigError as error:
         # The last line printed, and the only one: the value and the fix.
@@ -379,3 +57,26 @@ def _check_command(command: str, commands: Sequence[str]) -> None:
     raise ConfigError(
         f"unknown command {command!r}{guess} (`plugintrain --help` lists the commands)"
     )
+
+
+def _check_trainer_options(args: Sequence[str]) -> None:
+    """Refuse a ``--trainer.<name>`` that the Trainer does not take, before Lightning is
+    imported (the full parser would refuse it too, seconds later); anything this cannot
+    judge is left to that parser."""
+    if any(arg in ("-h", "--help") or arg.startswith("--print_config") for arg in args):
+        return
+    given = [arg.split("=", 1)[0] for arg in args if arg.startswith("--trainer.")]
+    known = trainer_options() if given else None
+    for option in given if known is not None else ():
+        name = option.removeprefix("--trainer.").split(".", 1)[0].removesuffix("+")
+        if name not in known:
+            raise ConfigError(unknown_option(option, [f"--trainer.{n}" for n in known]))
+
+
+def __getattr__(name: str) -> Any:
+    """:class:`~plugintrain.lightning_cli.PluginTrainCLI`, imported when first asked for."""
+    if name == "PluginTrainCLI":
+        from plugintrain.lightning_cli import PluginTrainCLI
+
+        return PluginTrainCLI
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

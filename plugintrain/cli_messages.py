@@ -7,6 +7,10 @@ prints ~70 lines of usage before a bad option, and a class that refuses its argu
 tracebacks around a multi-line "Does not validate against any of the Union subtypes".
 :func:`user_message` finds the line that matters in such a chain, and tells a user's
 mistake from a bug, which keeps its traceback.
+
+Importing it is cheap: Lightning and plugintrain's strategies are imported only by the
+functions that list their names, so :mod:`plugintrain.cli` reports a mistyped command or
+option before any of them loads.
 """
 
 from __future__ import annotations
@@ -19,21 +23,9 @@ from argparse import ArgumentError
 from collections.abc import Iterable, Sequence
 from typing import Any, get_args
 
-from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.strategies import StrategyRegistry
-
-from plugintrain.precision_plugins import PRECISION_PLUGINS
-from plugintrain.strategies import STRATEGY_NAMES
-
-# What a user's mistake raises; anything else is a bug and keeps its traceback.
-_USER_ERRORS = (
-    ValueError,
-    FileNotFoundError,
-    FileExistsError,
-    ArgumentError,
-    MisconfigurationException,
-)
+# What a user's mistake raises (and Lightning's MisconfigurationException); anything else
+# is a bug and keeps its traceback.
+_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, ArgumentError)
 _PARSER_KEY = re.compile(r'Parser key "([^"]+)"')
 _GOT_VALUE = re.compile(r"Got value: (\S+)$")
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (\S+)")
@@ -53,18 +45,30 @@ class ConfigError(ValueError):
 def lightning_strategy_names() -> list[str]:
     """Lightning's own strategy names (``auto``, ``ddp``, ...), variants of ``ddp*`` with a
     ``find_unused_parameters`` suffix left out."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from plugintrain.strategies import STRATEGY_NAMES
+
     names = (n for n in StrategyRegistry if n not in STRATEGY_NAMES)
     return ["auto", *(n for n in names if "find_unused_parameters" not in n)]
 
 
 def lightning_precision_names() -> list[str]:
     """The ``trainer.precision`` values Lightning accepts that plugintrain leaves to it."""
+    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+
+    from plugintrain.precision_plugins import PRECISION_PLUGINS
+
     names = (str(v) for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
     return [n for n in dict.fromkeys(names) if n not in PRECISION_PLUGINS]
 
 
 def strategy_help() -> str:
     """The ``--trainer.strategy`` names, plugintrain's with what each does."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from plugintrain.strategies import STRATEGY_NAMES
+
     ours = ", ".join(f"{name} ({StrategyRegistry[name]['description']})" for name in STRATEGY_NAMES)
     return (
         f"A name: plugintrain's {ours}; or Lightning's {', '.join(lightning_strategy_names())}."
@@ -74,6 +78,8 @@ def strategy_help() -> str:
 
 def precision_help() -> str:
     """The ``--trainer.precision`` names, plugintrain's first."""
+    from plugintrain.precision_plugins import PRECISION_PLUGINS
+
     return (
         f"plugintrain's precision plugins: {', '.join(PRECISION_PLUGINS)} (FP32 master"
         " weights, a loss scaler aware of the parallel layout); Lightning's:"
@@ -95,6 +101,10 @@ def unknown_name(kind: str, value: object, ours: Iterable[str], theirs: Iterable
 def check_strategy_name(strategy: Any) -> None:
     """Refuse a ``trainer.strategy`` name that no one registered, before Lightning does
     (whose message knows neither plugintrain's names nor what was meant)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from plugintrain.strategies import STRATEGY_NAMES
+
     if not isinstance(strategy, str) or strategy.lower() in ("auto", *StrategyRegistry):
         return
     raise ValueError(unknown_name("strategy", strategy, STRATEGY_NAMES, lightning_strategy_names()))
@@ -110,9 +120,14 @@ def user_message(error: BaseException, options: Sequence[str] = ()) -> str | Non
         error: What parsing or building the run raised.
         options: The parser's option strings, to suggest one for an unknown option.
     """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from plugintrain.precision_plugins import PRECISION_PLUGINS
+
     chain = _chain(error)
     root = chain[-1]
-    if not (isinstance(root, _USER_ERRORS) or _raised_in_jsonargparse(root)):
+    user = isinstance(root, (*_USER_ERRORS, MisconfigurationException))
+    if not (user or _raised_in_jsonargparse(root)):
         return None
     # A union's last alternative (``str`` for a strategy) fails last; the error a class
     # raised for the user's values is the one that names them.
@@ -132,13 +147,14 @@ def user_message(error: BaseException, options: Sequence[str] = ()) -> str | Non
             if named:
                 return named[0].strip()
     if unrecognized := _UNRECOGNIZED.search(message):
-        return _unknown_option(unrecognized.group(1).split("=")[0], options)
+        return unknown_option(unrecognized.group(1).split("=")[0], options)
     if message.startswith("the following arguments are required"):
         return f"{message}; a recipe sets them: --config recipes/<recipe>.yaml"
     return message if key is None or key in message else f"--{key}: {message}"
 
 
-def _unknown_option(option: str, options: Sequence[str]) -> str:
+def unknown_option(option: str, options: Sequence[str]) -> str:
+    """ "unknown option --trainer.max_step; did you mean --trainer.max_steps? ..."."""
     close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
     guess = f"; did you mean {close[0]}?" if close else ""
     return f"unknown option {option}{guess} (options are never abbreviated; --help lists them)"

@@ -1,52 +1,61 @@
 """Lightning strategies for plugintrain (installed as plugintrain.strategies).
 
-Importing the package registers the short names ``ddp_bucketed``, ``zero1``, ``zero2``,
-``parameter_server``, ``hybrid`` and ``pipeline`` with Lightning's ``StrategyRegistry``, so
-``Trainer(strategy="zero2")`` and ``trainer.strategy: zero2`` in a recipe work;
-:data:`STRATEGY_NAMES` lists them.
+:func:`register` puts the short names ``ddp_bucketed``, ``zero1``, ``zero2``,
+``parameter_server``, ``hybrid`` and ``pipeline`` (:data:`STRATEGY_NAMES`) into Lightning's
+``StrategyRegistry``, so ``Trainer(strategy="zero2")`` and ``trainer.strategy: zero2`` in a
+recipe work; the ``plugintrain`` command line calls it, and importing a strategy class does
+it too (each registers its own names, as Lightning's do). Every name below is imported
+from its module on first use (PEP 562): the plain parts (``ParallelDims``, schedules,
+``PipelineOptions``) load without Lightning, for the commands that train nothing.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+import importlib
+from typing import Any
 
-from plugintrain.strategies.blocks import RECOMPUTE_MODES, BlockOptions
-from plugintrain.strategies.buckets import PARAMETER_SERVER, STAGES, Stage
-from plugintrain.strategies.expert_parallel import expert_reduce_groups, parallelize_experts
-from plugintrain.strategies.grad_engine import GradientEngine
-from plugintrain.strategies.hybrid import HybridParallelStrategy, PipelineStrategy
-from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
-from plugintrain.strategies.optimizer_shards import (
-    ELEMENTWISE_OPTIMIZERS,
-    check_shardable,
-    optimizer_state_bytes,
-    register_elementwise_optimizer,
+STRATEGY_NAMES: tuple[str, ...] = (
+    "ddp_bucketed",
+    "zero1",
+    "zero2",
+    "parameter_server",
+    "hybrid",
+    "pipeline",
 )
-from plugintrain.strategies.parallelize import (
-    build_engine,
-    hybrid_gradient_layout,
-    parallelize,
-    shard_model,
-)
-from plugintrain.strategies.pipeline_executor import PipelineExecutor
-from plugintrain.strategies.pipeline_schedules import (
-    SCHEDULES,
-    Schedule,
-    build_schedule,
-    simulate,
-)
-from plugintrain.strategies.pipeline_stages import PipelineOptions, VirtualStage, split_model
-from plugintrain.strategies.tensor_parallel import apply_tensor_parallel, vocab_parallel_loss
-from plugintrain.strategies.zero import ParameterServerStrategy, ZeroStrategy
+"""plugintrain's registered strategy names, in registration order (help texts, errors)."""
 
-# One class per family registers all its names, with preset arguments (as Lightning's
-# DDPStrategy registers ``ddp_spawn``); the subclasses only change defaults.
-_STRATEGIES = (ZeroStrategy, HybridParallelStrategy)
-for _strategy in _STRATEGIES:
-    _strategy.register_strategies(StrategyRegistry)
-
-# The short names registered above, in registration order (for help texts and errors).
-STRATEGY_NAMES: tuple[str, ...] = tuple(
-    name for name, entry in StrategyRegistry.items() if entry["strategy"] in _STRATEGIES
-)
+_HOME = {
+    "BlockOptions": "blocks",
+    "ELEMENTWISE_OPTIMIZERS": "optimizer_shards",
+    "GradientEngine": "grad_engine",
+    "HybridParallelStrategy": "hybrid",
+    "PARAMETER_SERVER": "buckets",
+    "ParallelDims": "mesh",
+    "ParameterServerStrategy": "zero",
+    "PipelineExecutor": "pipeline_executor",
+    "PipelineOptions": "pipeline_stages",
+    "PipelineStrategy": "hybrid",
+    "RECOMPUTE_MODES": "blocks",
+    "SCHEDULES": "pipeline_schedules",
+    "STAGES": "buckets",
+    "Schedule": "pipeline_schedules",
+    "Stage": "buckets",
+    "VirtualStage": "pipeline_stages",
+    "ZeroStrategy": "zero",
+    "apply_tensor_parallel": "tensor_parallel",
+    "build_engine": "parallelize",
+    "build_schedule": "pipeline_schedules",
+    "check_shardable": "optimizer_shards",
+    "data_parallel_mesh": "mesh",
+    "expert_reduce_groups": "expert_parallel",
+    "hybrid_gradient_layout": "parallelize",
+    "optimizer_state_bytes": "optimizer_shards",
+    "parallelize": "parallelize",
+    "parallelize_experts": "expert_parallel",
+    "register_elementwise_optimizer": "optimizer_shards",
+    "shard_model": "parallelize",
+    "simulate": "pipeline_schedules",
+    "split_model": "pipeline_stages",
+    "vocab_parallel_loss": "tensor_parallel",
+}
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -77,9 +86,23 @@ __all__ = [
     "optimizer_state_bytes",
     "parallelize",
     "parallelize_experts",
+    "register",
     "register_elementwise_optimizer",
     "shard_model",
     "simulate",
     "split_model",
     "vocab_parallel_loss",
 ]
+
+
+def register() -> None:
+    """Register :data:`STRATEGY_NAMES` with Lightning's ``StrategyRegistry`` (idempotent)."""
+    importlib.import_module(f"{__name__}.zero")
+    importlib.import_module(f"{__name__}.hybrid")
+
+
+def __getattr__(name: str) -> Any:
+    """Each public name from its module, imported when first asked for."""
+    if name in _HOME:
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

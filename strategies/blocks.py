@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -151,6 +150,8 @@ def is_recomputed(block: nn.Module) -> str | None:
 
 def _builds_in_configure_model(module: nn.Module) -> bool:
     """Whether ``module`` is a LightningModule that overrides ``configure_model``."""
+    from lightning.pytorch import LightningModule  # only when applied: estimates need none
+
     return (
         isinstance(module, LightningModule)
         and type(module).configure_model is not LightningModule.configure_model

@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -35,7 +35,7 @@ from plugintrain.checkpoints.dcp import load_dtensor_states
 from plugintrain.core.contracts import AutocastSwitch, CallsModelBuiltHooks, GradientLayout
 from plugintrain.core.elastic import init_restarted_process_group
 from plugintrain.precision_plugins import PrecisionDtypes, precision_dtypes
-from plugintrain.strategies.balance import balance_stages
+from plugintrain.strategies.auto_split import balance_stages
 from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
@@ -67,22 +67,20 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         virtual_pipeline_parallel: Model chunks per pipeline rank (interleaved schedule).
         schedule: ``gpipe``, ``1f1b`` or ``interleaved``; default ``1f1b``, or
             ``interleaved`` when ``virtual_pipeline_parallel > 1``.
-        microbatches: Micro-batches per batch with pp > 1 (must divide the per-rank batch
-            size); default ``pipeline_parallel``.
+        microbatches: Micro-batches per batch with pp > 1 (dividing the per-rank batch);
+            default ``pipeline_parallel``.
         layers_per_stage: Transformer blocks of each virtual stage (pp x vpp counts summing
             to the model's layers; fewer on the last, which also runs the head and loss);
             default: equal; ``auto``: measured and chosen at setup.
-        expert_parallel: Ranks that split the routed experts of each mixture-of-experts
-            layer, borrowed from the data-parallel ranks (must divide dp and the expert
-            count); not with ``zero_stage=3``.
+        expert_parallel: Ranks that split each MoE layer's routed experts, borrowed from
+            dp (dividing dp and the expert count); not with ``zero_stage=3``.
         zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
             3 also parameters (torch FSDP2, gathered in the compute dtype; not with pp > 1).
         bucket_size_mb: Gradient bucket size for ZeRO stage 0/1/2.
         overlap_comm: Launch each bucket's reduction during backward (stage 0/1/2; with
             pp, a chunk's once its last backward of the step has run).
         wire_dtype: Dtype of the activations and gradients sent between pipeline stages;
-            default: the training compute dtype (bf16 under ``bf16-mixed``/``bf16-true``,
-            fp16 under ``16-mixed``, fp32 under ``32-true``).
+            default: the compute dtype (bf16, fp16 under ``16-mixed``, fp32 for ``32-true``).
         activation_checkpointing: ``none``, ``full`` or ``selective`` recomputation of each
             transformer block (:class:`~plugintrain.strategies.BlockOptions`).
         every_n_layers: With ``full``, recompute only blocks ``0, n, 2n, ...``.
@@ -124,9 +122,11 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
             timeout=timeout,
         )
         # Validated once here; the world size is filled in when it is known.
-        self.parallel_dims = _requested_layout(
-            data_parallel, tensor_parallel, sequence_parallel, pipeline_parallel,
-            virtual_pipeline_parallel, expert_parallel, zero_stage,
+        self.parallel_dims = ParallelDims(
+            data_parallel=data_parallel, tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel, pipeline_parallel=pipeline_parallel,
+            virtual_pipeline_parallel=virtual_pipeline_parallel,
+            expert_parallel=expert_parallel, zero_stage=zero_stage,
         )  # fmt: skip
         self.pipeline_options = PipelineOptions.resolve(
             self.parallel_dims, schedule, microbatches, layers_per_stage, wire_dtype
@@ -323,33 +323,6 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         strategy_registry.register("pipeline", cls, description=description, pipeline_parallel=2)
 
 
-def _requested_layout(
-    data_parallel: int | Literal["auto"],
-    tensor_parallel: int,
-    sequence_parallel: bool,
-    pipeline_parallel: int,
-    virtual_pipeline_parallel: int,
-    expert_parallel: int,
-    zero_stage: int,
-) -> ParallelDims:
-    """The degrees, validated without a world size, and refused where not supported yet."""
-    if pipeline_parallel > 1 and zero_stage == 3:
-        raise ValueError(
-            "zero_stage=3 (FSDP2) cannot be combined with pipeline_parallel="
-            f"{pipeline_parallel} yet; use zero_stage 0, 1 or 2 (ZeRO-1/2 shard the"
-            " optimizer state and gradients over the data-parallel ranks)."
-        )
-    return ParallelDims(
-        data_parallel=data_parallel,
-        tensor_parallel=tensor_parallel,
-        sequence_parallel=sequence_parallel,
-        pipeline_parallel=pipeline_parallel,
-        virtual_pipeline_parallel=virtual_pipeline_parallel,
-        expert_parallel=expert_parallel,
-        zero_stage=zero_stage,
-    )
-
-
 def _cast_by_fsdp(plugin: Precision, fsdp: bool) -> PrecisionDtypes | None:
     """The training dtypes when FSDP2 casts the weights (its ``MixedPrecisionPolicy``), with
     the plugin's autocast turned off then and on otherwise; None without FSDP2."""
@@ -376,3 +349,7 @@ class PipelineStrategy(HybridParallelStrategy):
 
     def __init__(self, pipeline_parallel: int = 2, **kwargs: Any) -> None:
         super().__init__(pipeline_parallel=pipeline_parallel, **kwargs)
+
+
+# Importing the module registers its names, as Lightning's own strategies' modules do.
+HybridParallelStrategy.register_strategies(StrategyRegistry)

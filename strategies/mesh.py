@@ -138,12 +138,38 @@ class ParallelDims:
             )
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {self.zero_stage!r}.")
+        if self.zero_stage == 3 and self.pipeline_parallel > 1:
+            raise ValueError(
+                f"zero_stage=3 (FSDP2) cannot be combined with pipeline_parallel="
+                f"{self.pipeline_parallel} yet; use zero_stage 0, 1 or 2 (ZeRO-1/2 shard the"
+                " optimizer state and gradients over the data-parallel ranks)."
+            )
         if self.zero_stage == 3 and self.expert_parallel > 1:
             raise ValueError(
                 f"zero_stage=3 (FSDP2) cannot be combined with expert_parallel="
                 f"{self.expert_parallel} yet; use zero_stage 0, 1 or 2 (ZeRO-1/2 shard the"
                 " experts' optimizer state and gradients over the ranks holding each expert)."
             )
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree."""
+        return self.tensor_parallel
+
+    @property
+    def pp(self) -> int:
+        """The pipeline-parallel degree (stages)."""
+        return self.pipeline_parallel
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank."""
+        return self.virtual_pipeline_parallel
+
+    @property
+    def ep(self) -> int:
+        """The expert-parallel degree."""
+        return self.expert_parallel
 
     @property
     def dp(self) -> int:

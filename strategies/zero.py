@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
@@ -275,3 +275,7 @@ class ParameterServerStrategy(ZeroStrategy):
 
     def __init__(self, stage: Stage = PARAMETER_SERVER, **kwargs: Any) -> None:
         super().__init__(stage=stage, **kwargs)
+
+
+# Importing the module registers its names, as Lightning's own strategies' modules do.
+ZeroStrategy.register_strategies(StrategyRegistry)

@@ -66,7 +66,7 @@ class _Loop:
     """The parts both baselines share: the parsed recipe, device, autocast, timing."""
 
     def __init__(self, fit_args: Sequence[str], local_rank: int = 0) -> None:
-        from plugintrain.cli import PluginTrainCLI  # the CLI parses; nothing is launched
+        from plugintrain.lightning_cli import PluginTrainCLI  # it parses; nothing is launched
 
         cli = PluginTrainCLI(args=list(fit_args), run=False)
         self.module, self.data, trainer = cli.model, cli.datamodule, cli.trainer

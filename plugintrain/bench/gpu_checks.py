@@ -38,10 +38,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from plugintrain import strategies
 from plugintrain.bench.recorder import BenchRecorder
 from plugintrain.model_zoo import CausalLM, MNISTClassifier, TransformerConfig
 from plugintrain.precision_plugins import precision_plugin_from_name
-from plugintrain.strategies import PipelineStrategy  # importing registers zero1, ... too
+from plugintrain.strategies import PipelineStrategy
+
+strategies.register()  # the plugintrain strategy names, for Trainer(strategy=...)
 
 FAMILIES = (
     "gpt2-debug",

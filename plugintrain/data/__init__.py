@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from plugintrain.data.assets import ASSETS, Asset, AssetError, cache_root, fetch_asset
     from plugintrain.data.hf_tokenizer import HFTokenizer
-    from plugintrain.data.mnist import MNISTDataModule, read_idx, write_idx
+    from plugintrain.data.idx import read_idx, write_idx
+    from plugintrain.data.mnist import MNISTDataModule
     from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
     from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
     from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 _MODULES = {
     "assets": ("ASSETS", "Asset", "AssetError", "cache_root", "fetch_asset"),
     "hf_tokenizer": ("HFTokenizer",),
-    "mnist": ("MNISTDataModule", "read_idx", "write_idx"),
+    "idx": ("read_idx", "write_idx"),
+    "mnist": ("MNISTDataModule",),
     "prepare": ("prepare_mnist", "prepare_shakespeare"),
     "token_bin": ("TokenFileError", "read_token_bin", "write_token_bin"),
     "token_bytes": ("read_token_bytes", "write_token_bytes"),

@@ -51,10 +51,10 @@ def _parser() -> ToolParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    from plugintrain.bench.matrix import MatrixError, load_matrix
-
     parser = _parser()
     args = parser.parse_args(argv)
+    from plugintrain.bench.matrix import MatrixError, load_matrix
+
     try:
         configs = load_matrix(args.matrix)
         configs = _select(configs, args.only)

@@ -39,7 +39,7 @@ _ROWS = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    from plugintrain.estimate import PRECISIONS, STRATEGIES
+    from plugintrain.estimate.names import PRECISIONS, STRATEGIES
 
     parser = ToolParser(
         prog="plugintrain estimate",
@@ -114,17 +114,19 @@ def load_config(model: str) -> TransformerConfig:
 
 def _layout(args: argparse.Namespace, config: TransformerConfig) -> Layout:
     from plugintrain.estimate import Layout
+    from plugintrain.strategies import ParallelDims
 
     world = args.dp * args.tp * args.pp
     strategy = args.strategy or ("single" if world == 1 and args.fit is None else "hybrid")
-    targets = tuple(args.lora_targets) if args.lora_targets else Layout.lora_targets
-    return Layout(
-        strategy=strategy, dp=args.dp, tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp,
+    if args.dp % args.ep:  # a model without experts is told so, not that dp is too small
+        ParallelDims(expert_parallel=args.ep).validate_experts(config)
+    return Layout.of(
+        strategy, dp=args.dp, tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp,
         ep=args.ep, zero_stage=args.zero_stage, precision=args.precision,
         micro_batch=args.micro_batch, seq_len=args.seq_len or min(2048, config.block_size),
         microbatches=args.microbatches, layers_per_stage=args.layers_per_stage,
         schedule=args.schedule, recompute=args.recompute, every_n_layers=args.every_n_layers,
-        lora_r=args.lora_r, lora_targets=targets, bucket_size_mb=args.bucket_size_mb,
+        lora_r=args.lora_r, lora_targets=args.lora_targets, bucket_size_mb=args.bucket_size_mb,
     )  # fmt: skip
 
 
@@ -139,18 +141,19 @@ def size(n: float) -> str:
 
 def describe(layout: Layout) -> str:
     """The layout on one line: ``hybrid dp=8 x tp=2 (sp) x pp=1, zero_stage=1, ...``."""
-    sp = " (sp)" if layout.sp else ""
-    vpp = f" x vpp={layout.vpp}" if layout.vpp > 1 else ""
+    named = layout.as_json()
+    sp = " (sp)" if named["sp"] else ""
+    vpp = f" x vpp={named['vpp']}" if named["vpp"] > 1 else ""
     zero = f", zero_stage={layout.stage}" if layout.stage is not None else ""
-    pipe = f", {layout.num_microbatches} micro-batches" if layout.pp > 1 else ""
-    if layout.layers_per_stage is not None:
-        pipe += f", layers_per_stage={list(layout.layers_per_stage)}"
-    lora = f", LoRA r={layout.lora_r}" if layout.lora_r else ""
-    every = f" every {layout.every_n_layers}" if layout.every_n_layers > 1 else ""
+    pipe = f", {named['microbatches']} micro-batches" if named["pp"] > 1 else ""
+    if named["layers_per_stage"] is not None:
+        pipe += f", layers_per_stage={named['layers_per_stage']}"
+    lora = f", LoRA r={named['lora_r']}" if named["lora_r"] else ""
+    every = f" every {named['every_n_layers']}" if named["every_n_layers"] > 1 else ""
     return (
-        f"{layout.strategy} dp={layout.dp} x tp={layout.tp}{sp} x pp={layout.pp}{vpp}{zero},"
-        f" {layout.precision}, micro_batch={layout.micro_batch} x seq_len={layout.seq_len}"
-        f"{pipe}, recompute={layout.recompute}{every}{lora}"
+        f"{layout.strategy} dp={named['dp']} x tp={named['tp']}{sp} x pp={named['pp']}{vpp}"
+        f"{zero}, {layout.precision}, micro_batch={layout.micro_batch} x seq_len="
+        f"{layout.seq_len}{pipe}, recompute={named['recompute']}{every}{lora}"
     )
 
 
@@ -179,7 +182,7 @@ def to_json(result: Estimate) -> dict[str, Any]:
     peak = result.peak
     return {
         "model": result.config.name,
-        "layout": dataclasses.asdict(result.layout) | {"world_size": result.layout.world_size},
+        "layout": result.layout.as_json(),
         "stages": stages,
         "peak": {**dataclasses.asdict(peak), "total": peak.total},
     }
@@ -197,7 +200,14 @@ def fit_table(results: list[Estimate], memory: int, gpus: int, top: int) -> str:
     ]
     for result in results[:top]:
         layout, peak = result.layout, result.peak
-        cells = [layout.world_size, layout.dp, layout.tp, "y" if layout.sp else "n", layout.pp]
+        dims = layout.dims
+        cells = [
+            layout.world_size,
+            dims.dp,
+            dims.tp,
+            "y" if dims.sequence_parallel else "n",
+            dims.pp,
+        ]
         cells.append("fsdp" if layout.stage == 3 else str(layout.stage or 0))
         parts = [size(getattr(peak, key)) for key, _ in _ROWS] + [size(peak.total)]
         lines.append("  ".join([*(f"{c!s:>4}" for c in cells), *(f"{p:>11}" for p in parts)]))
@@ -210,9 +220,9 @@ def _fit_json(results: list[Estimate], memory: int, gpus: int) -> dict[str, Any]
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``plugintrain estimate``; returns 0, or 2 on bad input."""
+    args = _parser().parse_args(list(argv))
     from plugintrain.estimate import estimate, fitting_layouts, parse_bytes
 
-    args = _parser().parse_args(list(argv))
     try:
         config = load_config(args.model)
         layout = _layout(args, config)

@@ -1,4 +1,4 @@
-"""``plugintrain generate``: sample text from a trained CausalLM checkpoint.
+"""``plugintrain generate``: sample text from a checkpoint or pretrained weights.
 
 Every argument is checked before anything is loaded; a bad one ends the command with
 one line naming the value and the fix, and exit status 2.
@@ -6,14 +6,13 @@ one line naming the value and the fix, and exit status 2.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import sys
 from argparse import Namespace
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from plugintrain.data.assets import PRETRAINED_MODELS
 from plugintrain.tools._args import ToolParser
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from plugintrain.data import HFTokenizer, Tokenizer
-    from plugintrain.model_zoo import CausalLM
+    from plugintrain.model_zoo.generation import PretrainedLM
 
 
 def _parser() -> ToolParser:
@@ -139,7 +138,7 @@ def _device(spec: str | None) -> torch.device:
     return device
 
 
-def _prompt_problem(prompt: list[int], args: Namespace, module: CausalLM) -> str | None:
+def _prompt_problem(prompt: list[int], args: Namespace, module: PretrainedLM) -> str | None:
     """What stops ``prompt`` (token ids) from being continued by ``module``; None if nothing."""
     top, reads = max(prompt), _model_tokenizer(module)
     if top >= module.vocab_size:
@@ -183,29 +182,23 @@ def _newest_in(path: str | None) -> str | None:
     return str(newest)
 
 
-def load_causal_lm(path: str | Path) -> CausalLM:
-    """A CausalLM from anything plugintrain reads weights from: a checkpoint file or DCP
-    directory written by ``plugintrain fit``, a Hugging Face model directory, an llm.c
+def load_causal_lm(path: str | Path) -> PretrainedLM:
+    """A language model from anything plugintrain reads weights from: a checkpoint file or
+    DCP directory written by ``plugintrain fit``, a Hugging Face model directory, an llm.c
     ``.bin``, a ``.gguf`` file, or a pretrained name such as ``smollm2-135m``.
 
-    A DCP directory (every plugintrain strategy but Lightning's own) holds every parameter
-    under its full-model name, spread over the ranks' shard files; the weights are read
-    into one model on the CPU, whatever the layout that wrote them. Nothing is unpickled
-    beyond tensors and plain data: a checkpoint's model is rebuilt from its saved
-    hyperparameters (JSON beside a directory's shards).
+    Built as :class:`~plugintrain.model_zoo.CausalLM` builds its transformer, without
+    Lightning: the architecture the file holds (a checkpoint's saved hyperparameters, JSON
+    beside a directory's shards), on meta, then loaded tensor by tensor. A DCP directory's
+    weights are read into one model on the CPU, whatever the layout that wrote them.
+    Nothing is unpickled beyond tensors and plain data.
     """
-    from plugintrain.formats import detect_format, open_weights
-    from plugintrain.model_zoo import CausalLM
+    from plugintrain.model_zoo.generation import PretrainedLM
 
-    hparams = {}
-    if str(path) not in PRETRAINED_MODELS and detect_format(Path(path)) == "checkpoint":
-        hparams = module_hparams(open_weights(path).reader.hparams)  # its options, its config
-    module = CausalLM(**{**hparams, "weights": str(path)})  # built on meta, then loaded
-    module.configure_model()
-    return module
+    return PretrainedLM(weights=str(path))
 
 
-def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalLM:
+def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> PretrainedLM:
     """The base model ``weights`` (default: the one the adapters were trained on, checked
     by sha256) with the LoRA adapters of the checkpoint ``adapter`` in it, merged into its
     weights if ``merge``."""
@@ -229,7 +222,7 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> CausalL
 
 
 def _print_samples(
-    module: CausalLM, tokenizer: Tokenizer | HFTokenizer, prompt: list[int], args: Namespace
+    module: PretrainedLM, tokenizer: Tokenizer | HFTokenizer, prompt: list[int], args: Namespace
 ) -> None:
     import torch
 
@@ -251,7 +244,7 @@ def _print_samples(
         print(tokenizer.decode(tokens))
 
 
-def _model_tokenizer(module: CausalLM) -> str:
+def _model_tokenizer(module: PretrainedLM) -> str:
     """The tokenizer spec the model reads: the one its weights came with, else its family's."""
     return module.config.tokenizer or module.config.family
 
@@ -288,12 +281,3 @@ def main(argv: Sequence[str]) -> int:
         parser.error(problem)
     _print_samples(module, tokenizer, prompt, args)
     return 0
-
-
-def module_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
-    """The hyperparameters ``CausalLM`` accepts (LightningCLI adds its own entries), with
-    the weights it was started from left out: the checkpoint holds newer ones."""
-    from plugintrain.model_zoo import CausalLM
-
-    accepted = inspect.signature(CausalLM).parameters
-    return {k: v for k, v in hparams.items() if k in accepted and k != "weights"}

@@ -39,10 +39,10 @@ def _parser() -> ToolParser:
 
 def main(argv: Sequence[str]) -> int:
     """Run ``plugintrain prepare``; prints a JSON summary of what was written."""
-    from plugintrain.data import prepare_mnist, prepare_shakespeare
-
     parser = _parser()
     args = parser.parse_args(list(argv))
+    from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
+
     if args.dataset == "shakespeare":
         try:  # a bad --tokenizer is refused before anything is written
             summary = prepare_shakespeare(

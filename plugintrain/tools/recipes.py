@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path, PurePath
 
+from plugintrain.cli_messages import ConfigError
 from plugintrain.tools._args import ToolParser
 
 PACKAGE = "plugintrain.recipes"
@@ -71,8 +72,6 @@ def resolve_config(value: str) -> str:
         return value
     if _as_name(value) in recipe_names():
         return str(recipe_path(_as_name(value)))
-    from plugintrain.cli_messages import ConfigError  # imports Lightning: only on error
-
     raise ConfigError(f"--config: File does not exist: {value!r}, and {no_recipe(value)}")
 
 

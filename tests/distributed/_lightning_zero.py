@@ -18,9 +18,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-import plugintrain.strategies  # noqa: F401  (registers zero1, zero2, ...)
+import plugintrain.strategies
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
+
+plugintrain.strategies.register()  # zero1, zero2, hybrid, ... by name
 
 GLOBAL_BATCH = 8
 SAMPLES = 16  # one epoch = 2 optimizer steps

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from plugintrain.model_zoo import TransformerConfig
-from plugintrain.strategies import ParallelDims, PipelineOptions, balance
+from plugintrain.strategies import ParallelDims, PipelineOptions, auto_split, balance
 from plugintrain.strategies.balance import LayerCosts, choose_split
 
 from _harness import run_distributed
@@ -29,7 +29,7 @@ def _choose(rank: int, world_size: int) -> tuple[int, ...]:
     options = PipelineOptions.resolve(dims, "1f1b", 4, "auto")
     data = SimpleNamespace(batch_size=8, seq_len=64)
     module = SimpleNamespace(config=config, one_block_model=lambda: None)
-    chosen = balance.balance_stages(module, dims, options, data, torch.device("cpu"), None)
+    chosen = auto_split.balance_stages(module, dims, options, data, torch.device("cpu"), None)
     return chosen.layers_per_stage
 
 

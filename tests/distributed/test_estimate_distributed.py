@@ -19,6 +19,7 @@ was live before, against the estimator's activation bytes; also with recomputati
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning as L
@@ -52,24 +53,24 @@ def _config(preset: str) -> TransformerConfig:
 # (name, preset, layout): one layout per line of the issue, spread over the families.
 CASES: dict[int, list[tuple[str, str, Layout]]] = {
     1: [
-        ("single", "gpt2-debug", Layout("single")),
-        ("single-lora", "llama3-debug", Layout("single", lora_r=4)),
+        ("single", "gpt2-debug", Layout.of("single")),
+        ("single-lora", "llama3-debug", Layout.of("single", lora_r=4)),
     ],
     2: [
-        ("zero1", "gpt2-debug", Layout("zero1", dp=2)),
-        ("zero2", "llama3-debug", Layout("zero2", dp=2)),
-        ("tp2", "qwen3-debug", Layout("hybrid", tp=2)),
+        ("zero1", "gpt2-debug", Layout.of("zero1", dp=2)),
+        ("zero2", "llama3-debug", Layout.of("zero2", dp=2)),
+        ("tp2", "qwen3-debug", Layout.of("hybrid", tp=2)),
         # An uneven split: the last stage, which runs the head, gets one block of four.
         (
             "pp2",
             "llama3-debug",
-            Layout("hybrid", pp=2, microbatches=2, zero_stage=1, layers_per_stage=(3, 1)),
+            Layout.of("hybrid", pp=2, microbatches=2, zero_stage=1, layers_per_stage=(3, 1)),
         ),
         # Experts split over ep: their buckets are sharded over the dp / ep = 1 ranks
         # holding them, the rest over dp.
-        ("dp2xep2", "deepseek-v3-debug", Layout("hybrid", dp=2, ep=2, zero_stage=2)),
+        ("dp2xep2", "deepseek-v3-debug", Layout.of("hybrid", dp=2, ep=2, zero_stage=2)),
     ],
-    8: [("dp2xtp2xpp2", "gpt2-debug", Layout("hybrid", dp=2, tp=2, pp=2, zero_stage=2))],
+    8: [("dp2xtp2xpp2", "gpt2-debug", Layout.of("hybrid", dp=2, tp=2, pp=2, zero_stage=2))],
 }
 
 
@@ -78,11 +79,12 @@ def _strategy(layout: Layout) -> Any:
         return "auto"
     if layout.strategy in ("zero1", "zero2"):
         return ZeroStrategy(stage=layout.stage, bucket_size_mb=BUCKET_MB)
+    dims, counts = layout.dims, layout.pipeline.layers_per_stage
     return HybridParallelStrategy(
-        data_parallel=layout.dp, tensor_parallel=layout.tp, pipeline_parallel=layout.pp,
-        microbatches=layout.microbatches, zero_stage=layout.zero_stage,
-        layers_per_stage=layout.layers_per_stage, bucket_size_mb=BUCKET_MB,
-        expert_parallel=layout.ep,
+        data_parallel=dims.dp, tensor_parallel=dims.tp, pipeline_parallel=dims.pp,
+        microbatches=layout.pipeline.microbatches, zero_stage=dims.zero_stage,
+        layers_per_stage=None if counts is None else list(counts), bucket_size_mb=BUCKET_MB,
+        expert_parallel=dims.ep,
     )  # fmt: skip
 
 
@@ -123,18 +125,20 @@ def _train_one_step(preset: str, layout: Layout, rank: int) -> dict[str, int]:
     L.seed_everything(0, verbose=False)
     probe = _HeldAfterStep()
     callbacks: list[L.Callback] = [probe]
-    if layout.lora_r:
-        callbacks.insert(0, LoRA(r=layout.lora_r, target_modules=list(layout.lora_targets)))
+    if layout.lora is not None:
+        spec = layout.lora
+        callbacks.insert(0, LoRA(r=spec.r, target_modules=list(spec.target_modules)))
     trainer = L.Trainer(
         accelerator="cpu", devices=layout.world_size, strategy=_strategy(layout),
         plugins=[FP32Precision()], max_steps=1, use_distributed_sampler=False, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )  # fmt: skip
-    tokens = torch.randint(0, 1000, (BATCH * layout.dp, SEQ + 1))
+    dims = layout.dims
+    tokens = torch.randint(0, 1000, (BATCH * dims.dp, SEQ + 1))
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    dp_rank = rank // layout.tp % layout.dp  # mesh ("pp", "dp", "tp"): tp innermost
-    sampler = DistributedSampler(data, num_replicas=layout.dp, rank=dp_rank, shuffle=False)
+    dp_rank = rank // dims.tp % dims.dp  # mesh ("pp", "dp", "tp"): tp innermost
+    sampler = DistributedSampler(data, num_replicas=dims.dp, rank=dp_rank, shuffle=False)
     trainer.fit(CausalLM(_config(preset)), DataLoader(data, batch_size=BATCH, sampler=sampler))
     return probe.held
 
@@ -158,11 +162,12 @@ def held() -> dict[int, list[dict[str, dict[str, int]]]]:
 def test_training_state_bytes_equal_the_held_tensors(
     held: dict, world: int, name: str, preset: str, layout: Layout
 ) -> None:
-    layout = Layout(**{**layout.__dict__, "seq_len": SEQ, "micro_batch": BATCH,
-                       "precision": "32-true", "bucket_size_mb": BUCKET_MB})  # fmt: skip
+    layout = dataclasses.replace(
+        layout, seq_len=SEQ, micro_batch=BATCH, precision="32-true", bucket_size_mb=BUCKET_MB
+    )
     result = estimate(_config(preset), layout)
     for rank, measured in enumerate(held[world]):
-        pp_rank, dp_rank = divmod(rank // layout.tp, layout.dp)
+        pp_rank, dp_rank = divmod(rank // layout.dims.tp, layout.dims.dp)
         est = next(r for r in result.ranks if (r.pp_rank, r.dp_rank) == (pp_rank, dp_rank))
         got = {key: getattr(est, key) for key in ("parameters", "gradients", "optimizer")}
         assert got == measured[name], (name, rank, got, measured[name])
@@ -205,7 +210,7 @@ def test_activation_estimate_within_20_percent(
     preset: str, overrides: dict, recompute: str
 ) -> None:
     config = TransformerConfig.from_name(preset, **overrides)
-    layout = Layout("single", micro_batch=ACT_BATCH, seq_len=ACT_SEQ, recompute=recompute)
+    layout = Layout.of("single", micro_batch=ACT_BATCH, seq_len=ACT_SEQ, recompute=recompute)
     estimated = estimate(config, layout).peak.activations
     measured = _measured_activations(config, recompute)
     print(f"{preset} {overrides} {recompute}: estimated {estimated}, measured {measured},"

@@ -52,7 +52,7 @@ def test_json_matches_the_estimate(capsys: pytest.CaptureFixture) -> None:
     parts = ("parameters", "gradients", "optimizer", "activations", "communication")
     assert peak["total"] == sum(peak[k] for k in parts)
     config = TransformerConfig.from_name("gpt2-debug")
-    layout = Layout("hybrid", dp=2, zero_stage=2, precision="bf16-mixed", seq_len=256)
+    layout = Layout.of("hybrid", dp=2, zero_stage=2, precision="bf16-mixed", seq_len=256)
     expected = estimate(config, layout)
     assert peak["total"] == expected.peak.total
 
@@ -132,10 +132,10 @@ def test_8b_on_64_devices_allocates_nothing() -> None:
     """An 8B model on 64 devices, and every layout of up to 16 that fits 80 GiB, estimated
     without allocating a tensor (the model is only built on the meta device)."""
     config = TransformerConfig.from_name("llama3.1-8b")
-    base = Layout("hybrid", precision="bf16-mixed", seq_len=8192, recompute="selective")
+    base = Layout.of("hybrid", precision="bf16-mixed", seq_len=8192, recompute="selective")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with LiveTensorMemory() as memory:
-        one = estimate(config, Layout("hybrid", dp=8, tp=4, sp=True, pp=2, zero_stage=1))
+        one = estimate(config, Layout.of("hybrid", dp=8, tp=4, sp=True, pp=2, zero_stage=1))
         assert one.layout.world_size == 64
         fits = fitting_layouts(config, 16, parse_bytes("80GiB"), base)
     assert memory.peak_bytes < 2**20, memory.peak_bytes
@@ -151,9 +151,9 @@ def test_expert_parallelism_splits_the_experts_only() -> None:
     """ep=2 holds half of each MoE layer's stacked experts (everything else whole) and
     steps their AdamW state over the dp / ep ranks that hold them; activations are alike."""
     config = TransformerConfig.from_name("deepseek-v3-debug")
-    base = Layout("hybrid", dp=2, zero_stage=0, seq_len=64, bucket_size_mb=1000)
+    base = Layout.of("hybrid", dp=2, zero_stage=0, seq_len=64, bucket_size_mb=1000)
     whole = estimate(config, base).ranks[0]
-    split = estimate(config, dataclasses.replace(base, ep=2)).ranks[0]
+    split = estimate(config, base.replace(ep=2)).ranks[0]
     moe = config.moe
     sparse = sum(moe.is_moe_layer(i) for i in range(config.n_layer))
     experts = sparse * 3 * moe.n_routed_experts * moe.moe_intermediate_size * config.n_embd * 4

@@ -27,7 +27,7 @@ from plugintrain.data import (
     write_idx,
 )
 from plugintrain.data import prepare as prepare_module
-from plugintrain.data.mnist import IDX_FILES
+from plugintrain.data.idx import IDX_FILES
 from plugintrain.data.prepare import FASHION_MNIST_DIR, FASHION_MNIST_SHA256
 
 

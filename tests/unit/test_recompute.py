@@ -25,7 +25,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from plugintrain.cli import main
 from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.data import write_token_bin
-from plugintrain.data.mnist import write_idx
+from plugintrain.data.idx import write_idx
 from plugintrain.model_zoo import Transformer, TransformerConfig
 from plugintrain.strategies import BlockOptions, HybridParallelStrategy, ZeroStrategy
 from plugintrain.strategies.blocks import _selective_policy, is_recomputed, transformer_blocks
