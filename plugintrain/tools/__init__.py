@@ -13,6 +13,7 @@ from plugintrain.tools.compare import main as compare_main
 from plugintrain.tools.convert import convert_main, export_main
 from plugintrain.tools.estimate import main as estimate_main
 from plugintrain.tools.generate import main as generate_main
+from plugintrain.tools.gpu_check import main as gpu_check_main
 from plugintrain.tools.prepare import main as prepare_main
 from plugintrain.tools.recipes import main as recipes_main
 from plugintrain.tools.schedule import main as schedule_main
@@ -27,6 +28,7 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "estimate": estimate_main,
     "bench": bench_main,
     "recipes": recipes_main,
+    "gpu-check": gpu_check_main,
 }
 
 _OVERVIEW = """\
@@ -52,6 +54,7 @@ Tools:
   estimate   per-rank memory of a layout, or the layouts that fit:
                plugintrain estimate llama3.1-8b --dp 8 --zero_stage 2 (or --fit 80GiB --gpus 64)
   bench      benchmark a matrix of runs: plugintrain bench --matrix benchmarks/cpu.yaml
+  gpu-check  the CUDA path against the CPU on one GPU, with tokens/s and MFU (make gpu-check)
 
 Run `plugintrain <command> --help` for the options of one command.
 """

@@ -1,5 +1,5 @@
-"""``python -m plugintrain.tools.gpu_check`` (``make gpu-check``): one prepared check of the
-CUDA path on a machine with one GPU, in a few minutes.
+"""``plugintrain gpu-check`` (``make gpu-check``, ``python -m plugintrain.tools.gpu_check``):
+one prepared check of the CUDA path on a machine with one GPU, in a few minutes.
 
 It runs :mod:`plugintrain.bench.gpu_checks` (logits against the CPU for every model family,
 training steps in each reduced precision, each strategy that fits one process against
@@ -18,10 +18,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from plugintrain.tools._args import ToolParser
+
+if TYPE_CHECKING:
+    import torch
 
 NCCL_NOTE = (
     "Not checked here: NCCL between GPUs. On one GPU every strategy runs at world size 1"
@@ -34,7 +36,7 @@ SECTIONS = ("logits", "precision", "strategy", "throughput")
 
 def _parser() -> ToolParser:
     parser = ToolParser(
-        prog="python -m plugintrain.tools.gpu_check",
+        prog="plugintrain gpu-check",
         description="Check the CUDA path against the CPU on one GPU (a dry run without one).",
     )
     parser.add_argument(
@@ -99,6 +101,8 @@ def _row(row: dict) -> str:
 
 
 def _machine() -> dict[str, str]:
+    import torch
+
     return {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
@@ -109,6 +113,8 @@ def _machine() -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the check; see the module docstring."""
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    import torch
+
     if not torch.cuda.is_available():
         print(
             f"gpu-check: no CUDA device here (torch {torch.__version__}, CUDA build:"

@@ -1,0 +1,106 @@
+"""Commands that train nothing start without Lightning; ``fit`` reports a mistyped Trainer
+option before importing it.
+
+Each command runs in a fresh interpreter (what a user's shell starts), which then lists
+the heavy packages it imported. How long each takes is measured in
+``benchmarks/startup.py``, never asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from plugintrain.cli import TRAINING_COMMANDS
+from plugintrain.lightning_options import trainer_options
+
+REPO = Path(__file__).resolve().parents[2]
+_PROBE = """
+import contextlib, io, json, sys
+from plugintrain.cli import main
+out, err = io.StringIO(), io.StringIO()
+with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as exit_:
+        code = exit_.code
+heavy = [m for m in ("lightning", "torchmetrics", "torch") if m in sys.modules]
+print(json.dumps({"code": code, "heavy": heavy, "err": err.getvalue()}))
+"""
+
+
+def _run(*argv: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *argv], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["prepare", "convert", "export", "estimate", "schedule", "generate", "compare", "bench",
+     "recipes", "gpu-check", *TRAINING_COMMANDS],
+)  # fmt: skip
+def test_help_imports_neither_lightning_nor_torch(command: str) -> None:
+    """``--help`` of the tools loads no torch; of the training commands, everything
+    (LightningCLI builds their help), checked only to exit 0."""
+    result = _run(command, "--help")
+    assert result["code"] == 0, result
+    if command not in TRAINING_COMMANDS:
+        assert result["heavy"] == [], result
+
+
+@pytest.mark.parametrize(
+    ("argv", "heavy"),
+    [
+        (["schedule", "--pp", "2", "--microbatches", "4"], []),
+        (["estimate", "gpt2-debug", "--dp", "2", "--zero_stage", "2"], ["torch"]),
+        (["recipes", "gpt2_debug_shakespeare_cpu"], []),
+        (["prepare", "shakespeare", "--tokenizer", "gtp2"], []),  # a one-line error
+        (["generate", "--ckpt_path", "missing.ckpt"], []),  # refused before loading
+    ],
+)
+def test_commands_that_train_nothing_run_without_lightning(argv: list[str], heavy: list) -> None:
+    assert _run(*argv)["heavy"] == heavy
+
+
+def test_a_mistyped_trainer_option_is_refused_before_lightning_loads() -> None:
+    result = _run("fit", "--config", "gpt2_debug_shakespeare_cpu", "--trainer.max_step", "5")
+    assert result["code"] == 2 and result["heavy"] == []
+    assert result["err"].strip().splitlines()[-1] == (
+        "plugintrain fit: error: unknown option --trainer.max_step; did you mean"
+        " --trainer.max_steps? (options are never abbreviated; --help lists them)"
+    )
+
+
+def test_trainer_options_read_from_source_are_the_trainers_parameters() -> None:
+    """The early check reads ``Trainer.__init__`` from Lightning's source; torch's
+    ``inspect`` of the imported class is the reference."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+
+    expected = set(inspect.signature(Trainer.__init__).parameters) - {"self"}
+    assert trainer_options() == expected
+
+
+def test_training_commands_are_lightning_clis() -> None:
+    from plugintrain.lightning_cli import PluginTrainCLI
+
+    assert tuple(PluginTrainCLI.subcommands()) == TRAINING_COMMANDS
+
+
+def test_strategy_names_are_the_registered_ones() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from plugintrain import strategies
+
+    strategies.register()
+    ours = {
+        n for n, e in StrategyRegistry.items() if e["strategy"].__module__.startswith("plugintrain")
+    }
+    assert ours == set(strategies.STRATEGY_NAMES)
