@@ -13,10 +13,18 @@ from plugintrain.tools.compare import main as compare_main
 from plugintrain.tools.convert import convert_main, export_main
 from plugintrain.tools.estimate import main as estimate_main
 from plugintrain.tools.generate import main as generate_main
-from plugintrain.tools.gpu_check import main as gpu_check_main
 from plugintrain.tools.prepare import main as prepare_main
 from plugintrain.tools.recipes import main as recipes_main
 from plugintrain.tools.schedule import main as schedule_main
+
+
+def gpu_check_main(argv: Sequence[str]) -> int:
+    """``plugintrain gpu-check``; its module is imported only here, so that ``python -m
+    plugintrain.tools.gpu_check`` (``make gpu-check``) runs it as ``__main__`` cleanly."""
+    from plugintrain.tools.gpu_check import main
+
+    return main(argv)
+
 
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "prepare": prepare_main,
