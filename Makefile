@@ -34,13 +34,14 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Serial by default. TEST_WORKERS=2 runs pytest-xdist workers (each test file on one;
-# 26 min instead of 31 here), but a distributed test's forked ranks can then deadlock:
-# the worker process has threads of its own when the harness forks (seen once in three runs).
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers, each test file on one (its module fixtures run once), the
+# slowest files first (tests/conftest.py; xdist's own reordering off). Ranks and one-process
+# commands are forked from a fork server, never from a worker, which has threads
+# (tests/_processes.py). TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 
 test: lint
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 format: setup
 	$(BIN)/ruff format .

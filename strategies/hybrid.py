@@ -2,7 +2,7 @@
 parallelism.
 
 The jobs live beside it, one module each: :mod:`~plugintrain.strategies.mesh` (degrees and
-DeviceMesh), :mod:`~plugintrain.strategies.parallelize` (TP/SP, experts, recomputation,
+DeviceMesh), :mod:`~plugintrain.strategies.parallel_plan` (TP/SP, experts, recomputation,
 FSDP2 and the gradient engine, in torchtitan's order),
 :mod:`~plugintrain.strategies.pipeline_runtime` (the steps when pp > 1),
 :mod:`~plugintrain.strategies.engine_binding` (the engine's Lightning hooks) and
@@ -39,7 +39,7 @@ from plugintrain.strategies.auto_split import balance_stages
 from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
-from plugintrain.strategies.parallelize import (
+from plugintrain.strategies.parallel_plan import (
     build_engine,
     builds_on_meta,
     check_model_fits,
@@ -181,7 +181,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
 
     def check_model(self, module: pl.LightningModule, datamodule: Any = None) -> None:
         """Raise if the model and data cannot run on this layout (:func:`~plugintrain.
-        strategies.parallelize.check_model_fits`); ``fit`` calls it before any launch."""
+        strategies.parallel_plan.check_model_fits`); ``fit`` calls it before any launch."""
         dims = self._layout_for(self.num_nodes * self.num_processes)
         check_model_fits(module, dims, self.pipeline_options, datamodule, type(self).__name__)
         self.block_options.check(module, built=self.model is not None)  # built: in `setup`

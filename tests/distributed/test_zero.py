@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _processes import run_command
 from torch import Tensor, nn
 
 from plugintrain.model_zoo import Transformer, TransformerConfig
@@ -362,13 +362,8 @@ SCRIPT = Path(__file__).with_name("_lightning_zero.py")
 
 def _lightning(tmp: Path, tag: str, *args: str) -> list[float]:
     out = tmp / f"{tag}.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--root", str(tmp), "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp,
-    )
+    command = [sys.executable, str(SCRIPT), "--root", str(tmp), "--out", str(out), *args]
+    proc = run_command(command, cwd=tmp, timeout=300)  # killed with its ranks on a timeout
     assert proc.returncode == 0, f"{tag} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(out.read_text())
 
@@ -409,7 +404,5 @@ def test_ranks_exit_with_0_after_collectives_after_fit(tmp_path: Path) -> None:
     exit handler holds the GIL into interpreter finalization, so gloo work still to be
     released at exit aborts a rank every time rather than by chance."""
     command = [sys.executable, str(EXIT_CHECK), "--strategies", "zero2", "--runs", "2"]
-    proc = subprocess.run(
-        [*command, "--hold-gil-at-exit"], capture_output=True, text=True, timeout=600, cwd=tmp_path
-    )
+    proc = run_command([*command, "--hold-gil-at-exit"], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"

@@ -1,8 +1,11 @@
 """End to end: every recipe parses, the CPU recipes train through the real CLI.
 
-Subprocess runs are the expensive part (about 5 s of imports each on two cores), so each
-test exercises as much of one command as it can: a fit checks the logs, the config and
-the checkpoint; the resume continues that fit; generate reads that checkpoint.
+Commands are the expensive part, so each test exercises as much of one command as it can:
+a fit checks the logs, the config and the checkpoint; the resume continues that fit;
+generate reads that checkpoint. One-process commands run the CLI's entry point in a
+process forked from the fork server (``run_cli(..., fresh_interpreter=False)``: the same
+arguments, files, output and exit status without ~8 s of imports each); the DDP launch and
+the console entry point's exit status start fresh interpreters.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def _fit_gpt2(data_dir: Path, save_dir: Path, max_steps: int, *extra: str) -> Pa
         f"--trainer.logger.init_args.save_dir={save_dir}",
         f"--trainer.max_steps={max_steps}", "--model.init_args.lr_decay_steps=6",
         *FAST, *extra,
-        cwd=REPO,
+        cwd=REPO, fresh_interpreter=False,
     )  # fmt: skip
     return save_dir / "gpt2_debug_shakespeare_cpu" / "version_0"
 
@@ -183,7 +186,7 @@ def test_generate_from_checkpoint(gpt2_run: Path) -> None:
     proc = run_cli(
         "generate", f"--ckpt_path={gpt2_run.parent / 'checkpoints' / 'last.ckpt'}",
         "--prompt=ROMEO:", "--max_new_tokens=8", "--temperature=0", "--json",
-        cwd=REPO,
+        cwd=REPO, fresh_interpreter=False,
     )  # fmt: skip
     sample = json.loads(proc.stdout)
     prompt = [33676, 4720, 25]  # "ROMEO:" in GPT-2 BPE
@@ -206,7 +209,7 @@ def test_debug_recipe_fits(
         f"--data.init_args.data_dir={request.getfixturevalue(tokens)}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.max_steps=2", *FAST,
-        cwd=REPO,
+        cwd=REPO, fresh_interpreter=False,
     )  # fmt: skip
     losses = logged_losses(tmp_path / recipe / "version_0", "train_loss")
     assert len(losses) == 2
@@ -236,7 +239,7 @@ def test_mnist_recipe_fits(mnist_dir: Path, tmp_path: Path) -> None:
         f"--data.init_args.data_dir={mnist_dir}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
-        cwd=REPO,
+        cwd=REPO, fresh_interpreter=False,
     )  # fmt: skip
     val_acc = logged_losses(tmp_path / "mnist" / "version_0", "val_acc")
     assert max(val_acc.values()) > 0.8  # real digits, one epoch of a small MLP
@@ -244,7 +247,7 @@ def test_mnist_recipe_fits(mnist_dir: Path, tmp_path: Path) -> None:
 
 def test_prepare_reports_what_it_wrote(tmp_path: Path) -> None:
     out = tmp_path / "mnist"
-    proc = run_cli("prepare", "mnist", f"--out={out}", cwd=REPO)
+    proc = run_cli("prepare", "mnist", f"--out={out}", cwd=REPO, fresh_interpreter=False)
     summary = json.loads(proc.stdout)
     assert summary["train_images"] == 4500
     assert (out / "train-images-idx3-ubyte").is_file()

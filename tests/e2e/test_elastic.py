@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import run_command
 
 from plugintrain.checkpoints.dcp import read_weights
 
@@ -32,9 +33,10 @@ def _torchrun(data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess
         "--trainer.logger.init_args.save_dir", str(out), *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(
-        command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=900
-    )
+    try:  # torchrun and its workers killed together on a timeout
+        proc = run_command(command, cwd=out.parent, env=env, timeout=900)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"torchrun did not finish in 900 s:\n{error.stdout}\n{error.stderr}")
     if proc.returncode != 0:
         pytest.fail(
             f"torchrun exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

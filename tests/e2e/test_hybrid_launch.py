@@ -5,7 +5,9 @@ keeping every checkpoint), a simulated two-node ``torchrun`` (two commands, ``--
 --node_rank 0|1``, 2 processes each, c10d rendezvous on 127.0.0.1), and a resume of the
 first run's step-2 DCP checkpoint on tp2 alone with compiled blocks and selective
 recomputation: losses must agree across all of them.
-A single-process fit on the same global batches must end with the same weights.
+A single-process fit on the same global batches must end with the same weights (run
+forked from the fork server: ``_cli.run_cli``). A torchrun node left waiting for a failed
+one is killed with its workers.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import kill_group
 
 from plugintrain.checkpoints.dcp import read_weights
 
@@ -75,9 +78,15 @@ def test_two_node_torchrun_equals_single_node(
     port = _free_port()
     args = _fit_args(shakespeare_llama3, tmp_path, "--trainer.devices=2", "--trainer.num_nodes=2")
     nodes = [_torchrun_node(rank, port, args, tmp_path) for rank in (0, 1)]
-    for node, log in nodes:
-        code = node.wait(timeout=600)
-        assert code == 0, log.read_text()
+    try:
+        for node, log in nodes:
+            code = node.wait(timeout=600)
+            assert code == 0, log.read_text()
+    finally:  # a node left waiting for a failed or hung one goes too, with its workers
+        for node, _ in nodes:
+            if node.poll() is None:
+                kill_group(node.pid)
+                node.wait()
     two_node, single = _losses(tmp_path), _losses(single_node)
     assert sorted(two_node) == sorted(single)
     for step, loss in two_node.items():
@@ -90,7 +99,8 @@ def test_weights_match_single_process_fit(
     """dp=2 x tp=2 on per-rank batches of 2 equals one process on batches of 4."""
     single_recipe = RECIPES / "llama3_debug_shakespeare_cpu.yaml"
     batch = "--data.init_args.batch_size=4"
-    run_cli(*_fit_args(shakespeare_llama3, tmp_path, batch, recipe=single_recipe), cwd=REPO)
+    args = _fit_args(shakespeare_llama3, tmp_path, batch, recipe=single_recipe)
+    run_cli(*args, cwd=REPO, fresh_interpreter=False)  # one process: forked, no imports
     single = torch.load(
         tmp_path / "llama3_debug_shakespeare_cpu" / "checkpoints" / "last.ckpt",
         weights_only=True,
@@ -144,7 +154,9 @@ def _torchrun_node(
     log = tmp_path / f"node{node_rank}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     return proc, log
 
 

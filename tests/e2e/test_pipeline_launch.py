@@ -6,6 +6,7 @@ move between ranks) with the uninterrupted run's losses, and ends with the weigh
 single-process fit on the same batches. The 4-D recipe (dp2 x tp2+SP x pp2, ZeRO-1) runs
 on 8 processes and matches a single process too, and both export to the same Hugging
 Face weights. Layouts that cannot run are refused at parse time, before any process starts.
+The one-process fits and ``generate`` run forked from the fork server (``_cli.run_cli``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _single_process_weights(
         *_fit_args(RECIPES / f"{recipe}.yaml", data_dir, tmp_path),
         f"--data.init_args.batch_size={batch_size}",
         cwd=REPO,
+        fresh_interpreter=False,
     )
     last = tmp_path / recipe / "checkpoints" / "last.ckpt"
     return torch.load(last, weights_only=True)["state_dict"]
@@ -122,6 +124,7 @@ def test_four_d_recipe_matches_single_process(shakespeare_llama3: Path, tmp_path
         "--trainer.max_steps=2",
         "--data.init_args.batch_size=8",
         cwd=REPO,
+        fresh_interpreter=False,
     )
     last = save_dir / "llama3_debug_4d_cpu" / "checkpoints" / "last.ckpt"
     four_d = read_weights(last)
@@ -197,7 +200,7 @@ def test_generate_from_a_pipeline_checkpoint(pipeline_run: Path) -> None:
     last = pipeline_run / "gpt2_debug_pipeline_cpu" / "checkpoints" / "last.ckpt"
     out = run_cli(
         "generate", f"--ckpt_path={last}", "--prompt=ROMEO:", "--max_new_tokens=5",
-        "--temperature=0", "--json", cwd=REPO,
+        "--temperature=0", "--json", cwd=REPO, fresh_interpreter=False,
     )  # fmt: skip
     sample = json.loads(out.stdout.strip().splitlines()[-1])
     prompt = get_tokenizer("gpt2").encode("ROMEO:")

@@ -42,7 +42,7 @@ def shakespeare_smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_smollm2_knows_the_capital_of_france() -> None:
     proc = run_cli(
         "generate", "--ckpt_path", "smollm2-135m", "--prompt", "The capital of France is",
-        "--temperature", "0", "--max_new_tokens", "6", cwd=REPO,
+        "--temperature", "0", "--max_new_tokens", "6", cwd=REPO, fresh_interpreter=False,
     )  # fmt: skip
     assert proc.stdout.startswith("The capital of France is")
     assert "Paris" in proc.stdout
@@ -105,7 +105,7 @@ def test_smollm2_recipe_fits_and_exports_to_gguf(shakespeare_smollm2: Path, tmp_
         "--checkpoint.every_n_train_steps=2", "--trainer.enable_progress_bar=false",
         # Only last.ckpt: one write of the model and its AdamW state (~1.6 GB), not two.
         "--checkpoint.save_top_k=0",
-        cwd=REPO,
+        cwd=REPO, fresh_interpreter=False,
     )  # fmt: skip
     last = tmp_path / "smollm2_shakespeare_cpu" / "checkpoints" / "last.ckpt"
     out = tmp_path / "tuned.gguf"

@@ -75,6 +75,7 @@ def _fit(data: Path, out: Path, layout: str, max_steps: int, *extra: str) -> dic
         *LAYOUTS[layout],
         *extra,
         cwd=out.parent,
+        fresh_interpreter=layout != "one process",  # one process: forked, no imports
     )
     (version,) = (out / "llama3_debug_hybrid_cpu").glob("version_*")
     return logged_losses(version)

@@ -110,7 +110,7 @@ def test_materializing_a_meta_built_model_keeps_its_metrics():
     # Shard-first strategies build the transformer on meta and allocate it in place; the
     # metrics were real all along and keep their states (once, every state was replaced
     # by uninitialized memory: val_ppl 1.0 under pipelines).
-    from plugintrain.strategies.parallelize import materialize
+    from plugintrain.strategies.parallel_plan import materialize
 
     lm = CausalLM(_config("llama3-debug"))
     with torch.device("meta"):

@@ -104,3 +104,42 @@ def test_strategy_names_are_the_registered_ones() -> None:
         n for n, e in StrategyRegistry.items() if e["strategy"].__module__.startswith("plugintrain")
     }
     assert ours == set(strategies.STRATEGY_NAMES)
+
+
+_FACE_PROBE = """
+import importlib, pkgutil, sys
+wrong = []
+for name in sys.argv[1:]:
+    face = importlib.import_module(name)
+    for info in pkgutil.iter_modules(face.__path__):  # as a long run ends up doing
+        importlib.import_module(f"{name}.{info.name}")
+    for attr in face.__all__:
+        try:
+            meant = face.__getattr__(attr)
+        except AttributeError:  # defined in the face itself
+            continue
+        if getattr(face, attr) is not meant:
+            wrong.append(f"{name}.{attr} is {getattr(face, attr)!r}, not {meant!r}")
+print("\\n".join(wrong))
+"""
+LAZY_FACES = (
+    "plugintrain.data",
+    "plugintrain.model_zoo",
+    "plugintrain.strategies",
+    "plugintrain.estimate",
+    "plugintrain.bench",
+)
+
+
+def test_a_lazy_name_means_the_same_after_every_submodule_is_imported() -> None:
+    """Importing a submodule sets it as an attribute of its package, and a package attribute
+    wins over the face's ``__getattr__``: a function named like its own module (this was
+    ``strategies.parallelize``) turned into that module once anything imported it."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FACE_PROBE, *LAZY_FACES],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    assert out.stdout.strip() == ""
