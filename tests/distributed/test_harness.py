@@ -65,6 +65,11 @@ def test_a_hung_rank_is_killed_and_named() -> None:
 
 def test_nothing_a_rank_started_outlives_the_run() -> None:
     pids = run_distributed(_leaves_a_child, 2)
+    # SIGKILL is sent before run_distributed returns; the kernel ends a process when it
+    # next runs, which on two busy cores can take a moment, not the hour it would sleep.
+    deadline = time.monotonic() + 10.0
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for pid in pids:
         assert not _running(pid), f"process {pid} started by a rank is still running"
 
