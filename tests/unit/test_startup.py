@@ -1,8 +1,9 @@
 """Commands that train nothing start without Lightning; ``fit`` reports a mistyped Trainer
 option before importing it.
 
-Each command runs in a fresh interpreter (what a user's shell starts), which then lists
-the heavy packages it imported. How long each takes is measured in
+Each command whose imports are checked runs in a fresh interpreter (what a user's shell
+starts), which then lists the heavy packages it imported; the training commands' ``--help``,
+which imports everything, runs four to an interpreter. How long each takes is measured in
 ``benchmarks/startup.py``, never asserted here.
 """
 
