@@ -2,12 +2,16 @@
 leave a process behind.
 
 :func:`run_cli` runs a command in a fresh interpreter (``python -m plugintrain ARGS``) by
-default: what a user runs, with its ~8 s of imports. A test about what a one-process
-command prints, writes or exits with, not about processes, passes
-``fresh_interpreter=False``: the same entry point (``sys.argv``, then ``main()``) in a
-child forked from the test process's fork server (``tests/_processes.py``), which
-imported torch, Lightning and plugintrain once. Launches of several ranks, torchrun, kills
-and restarts keep fresh interpreters.
+default: what a user runs, with its ~8 s of imports (and Lightning's launcher starting
+each further rank the same way). A test about what a command prints, writes, trains or
+exits with, not about how its processes start, passes ``fresh_interpreter=False``: the
+same entry point (``sys.argv``, then ``main()``) in children forked from the test
+process's fork server (``tests/_processes.py``), which imported torch, Lightning and
+plugintrain once. With ``ranks=N`` the command runs as ``torchrun --nproc_per_node N -m
+plugintrain ARGS`` would run it: N children with torchrun's variables (rank, world size,
+rendezvous address, run id), which Lightning takes for an external launcher's, so it
+starts no ranks of its own. Tests of the launch itself (Lightning's launcher, torchrun,
+kills and restarts) keep fresh interpreters.
 
 Every command runs in a process group of its own (Lightning's launcher starts the other
 ranks in it), and the whole group is killed when the command times out or the test is
@@ -21,12 +25,16 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Sequence
 from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from _launch_env import reset_launch_environment
 from _processes import adopt, context, run_command, stop
 
@@ -40,14 +48,20 @@ def run_cli(
     timeout: float = 600,
     exit_code: int = 0,
     fresh_interpreter: bool = True,
+    ranks: int = 1,
 ) -> subprocess.CompletedProcess:
-    """Run ``plugintrain ARGS`` (see the module docstring for ``fresh_interpreter``); fail
-    with its output unless it exits with ``exit_code`` within ``timeout`` seconds."""
+    """Run ``plugintrain ARGS`` (see the module docstring for ``fresh_interpreter`` and
+    ``ranks``); fail with its output unless it exits with ``exit_code`` within ``timeout``
+    seconds."""
+    if ranks > 1 and fresh_interpreter:
+        raise ValueError("ranks > 1 are forked: pass fresh_interpreter=False")
     reset_launch_environment()  # a fixture may have trained in this process just before
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    run = _run_fresh if fresh_interpreter else _run_forked
     try:
-        proc = run(args, cwd, env, timeout)
+        if fresh_interpreter:
+            proc = _run_fresh(args, cwd, env, timeout)
+        else:
+            proc = _run_forked(args, cwd, env, timeout, ranks)
     except subprocess.TimeoutExpired as error:
         pytest.fail(
             f"plugintrain {' '.join(args)} did not finish within {timeout:.0f} s (killed"
@@ -69,22 +83,79 @@ def _run_fresh(
 
 
 def _run_forked(
-    args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float
+    args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float, ranks: int
 ) -> subprocess.CompletedProcess:
+    """``args`` as ``ranks`` children of the fork server. The result holds rank 0's stdout,
+    every rank's stderr (rank 0's last) and the status of the first rank to fail (then the
+    others have ``FAILED_RANK_GRACE`` seconds to end by themselves, as torchrun's agent
+    gives them, before they are killed), or 0."""
+    command = ["plugintrain", *args]
+    envs, store = [env], None
+    if ranks > 1:
+        # The rendezvous store is held here, as torchrun's agent holds it, on a port the
+        # kernel chose for it: the ranks all connect to it, none has to bind a port.
+        store = dist.TCPStore("127.0.0.1", 0, ranks, True, wait_for_workers=False)
+        # torchrun's default for several ranks per node: one intra-op thread each.
+        env = {"OMP_NUM_THREADS": "1", **env}
+        envs = [{**env, **_torchrun_variables(rank, ranks, store.port)} for rank in range(ranks)]
     with tempfile.TemporaryDirectory(prefix="plugintrain-cli-") as tmp:
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        child = context().Process(
-            target=_cli_child, args=(list(args), str(cwd), env, str(out), str(err))
-        )
+        outputs = [(Path(tmp, f"stdout{r}"), Path(tmp, f"stderr{r}")) for r in range(ranks)]
+        children = [
+            context().Process(
+                target=_cli_child, args=(list(args), str(cwd), rank_env, str(out), str(err))
+            )
+            for rank_env, (out, err) in zip(envs, outputs, strict=True)
+        ]
+        status = None
         try:
-            child.start()
-            timed_out = not wait([child.sentinel], timeout)  # not reaped yet: see stop()
+            for child in children:
+                child.start()
+            status = _first_failure(children, timeout)
         finally:
-            stop([child], grace=0)
-        stdout, stderr = out.read_text(), err.read_text()
-    if timed_out:
-        raise subprocess.TimeoutExpired(["plugintrain", *args], timeout, stdout, stderr)
-    return subprocess.CompletedProcess(["plugintrain", *args], child.exitcode, stdout, stderr)
+            stop(children, grace=FAILED_RANK_GRACE if status else 0)
+        stdout = outputs[0][0].read_text()
+        stderr = "".join(
+            (f"[rank {rank} stderr]\n" if ranks > 1 else "") + err.read_text()
+            for rank, (_, err) in reversed(list(enumerate(outputs)))
+        )
+    del store  # after every rank is gone
+    if status is None:
+        raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(command, status, stdout, stderr)
+
+
+FAILED_RANK_GRACE = 10.0
+"""Seconds the other ranks of a forked command get to end by themselves after one failed."""
+
+
+def _torchrun_variables(rank: int, ranks: int, port: int) -> dict[str, str]:
+    """What ``torchrun --nproc_per_node RANKS`` sets for ``rank`` on one node whose agent
+    holds the rendezvous store on ``port`` (``TORCHELASTIC_RUN_ID`` is what Lightning
+    detects torchrun by)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(ranks), "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "forked",
+        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+    }  # fmt: skip
+
+
+def _first_failure(children: list[BaseProcess], timeout: float) -> int | None:
+    """Wait until every child exited or one failed: the first nonzero status, 0, or None
+    on a timeout. The wait does not reap the children (see ``_processes.stop``)."""
+    deadline = time.monotonic() + timeout
+    pending = {child.sentinel: child for child in children}
+    while pending:
+        ready = wait(list(pending), max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
+        for sentinel in ready:
+            status = pending.pop(sentinel).exitcode
+            if status:
+                return status
+    return 0
 
 
 def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
@@ -92,6 +163,8 @@ def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
     directory, environment and arguments, stdout and stderr into files, ``sys.exit``'s
     status and the interpreter's exit handlers."""
     adopt(env)
+    if "OMP_NUM_THREADS" in env:  # what an interpreter's start reads, the server's did not
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)

@@ -4,8 +4,8 @@ Commands are the expensive part, so each test exercises as much of one command a
 a fit checks the logs, the config and the checkpoint; the resume continues that fit;
 generate reads that checkpoint. One-process commands run the CLI's entry point in a
 process forked from the fork server (``run_cli(..., fresh_interpreter=False)``: the same
-arguments, files, output and exit status without ~8 s of imports each); the DDP launch and
-the console entry point's exit status start fresh interpreters.
+arguments, files, output and exit status without ~8 s of imports each); the DDP launch
+(Lightning's launcher) and the console entry point's exit status start fresh interpreters.
 """
 
 from __future__ import annotations
@@ -231,6 +231,22 @@ def test_ddp_two_processes_from_the_same_recipe(shakespeare_gpt2: Path, tmp_path
     # The saved position counts the samples of both ranks (steps x per-rank batch x 2), so
     # a resume under any dp size continues where this run stopped.
     assert ckpt["TokenDataModule"]["position"] == 2 * 2 * 2
+
+
+def test_forked_ranks_fail_with_the_first_failure_and_every_rank_s_stderr(tmp_path: Path) -> None:
+    """The test runner's torchrun-like launch (``run_cli(..., ranks=2)``, what the
+    multi-process fits of other files use): both ranks refuse a mistyped option, the
+    command exits 2 with each rank's stderr, rank 0's last, and wrote nothing."""
+    proc = run_cli(
+        "fit", "--config", str(RECIPES / "gpt2_debug_shakespeare_cpu.yaml"),
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.max_step=5",
+        cwd=tmp_path, fresh_interpreter=False, ranks=2, exit_code=2,
+    )  # fmt: skip
+    sections = proc.stderr.split("[rank ")
+    assert [section[:2] for section in sections[1:]] == ["1 ", "0 "]
+    for section in sections[1:]:
+        assert "max_step" in section.strip().splitlines()[-1], proc.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_mnist_recipe_fits(mnist_dir: Path, tmp_path: Path) -> None:

@@ -5,22 +5,22 @@ keeping every checkpoint), a simulated two-node ``torchrun`` (two commands, ``--
 --node_rank 0|1``, 2 processes each, c10d rendezvous on 127.0.0.1), and a resume of the
 first run's step-2 DCP checkpoint on tp2 alone with compiled blocks and selective
 recomputation: losses must agree across all of them.
-A single-process fit on the same global batches must end with the same weights (run
-forked from the fork server: ``_cli.run_cli``). A torchrun node left waiting for a failed
-one is killed with its workers.
+A single-process fit on the same global batches must end with the same weights. The
+single-process fit and the resume (2 ranks, as torchrun starts them) are forked from the
+fork server (``_cli.run_cli``). A torchrun node left waiting for a failed one is killed
+with its workers.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _processes import kill_group
+from _processes import free_port, kill_group
 
 from plugintrain.checkpoints.dcp import read_weights
 
@@ -75,7 +75,7 @@ def test_devices_4_trains_and_writes_dcp_checkpoints(single_node: Path) -> None:
 def test_two_node_torchrun_equals_single_node(
     single_node: Path, shakespeare_llama3: Path, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     args = _fit_args(shakespeare_llama3, tmp_path, "--trainer.devices=2", "--trainer.num_nodes=2")
     nodes = [_torchrun_node(rank, port, args, tmp_path) for rank in (0, 1)]
     try:
@@ -132,7 +132,9 @@ def test_compiled_resume_with_selective_recompute_equals_uninterrupted_run(
         "--trainer.strategy.init_args.compile=true",
         "--trainer.strategy.init_args.activation_checkpointing=selective",
     )
-    run_cli(*_fit_args(shakespeare_llama3, tmp_path, *extra), cwd=REPO)
+    run_cli(
+        *_fit_args(shakespeare_llama3, tmp_path, *extra), cwd=REPO, fresh_interpreter=False, ranks=2
+    )
     assert sorted(_losses(tmp_path)) == [2, 3]
     resumed = read_weights(tmp_path / NAME / "checkpoints" / "last.ckpt")
     uninterrupted = read_weights(single_node / NAME / "checkpoints" / "epoch=0-step=4.ckpt")
@@ -158,9 +160,3 @@ def _torchrun_node(
             command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     return proc, log
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

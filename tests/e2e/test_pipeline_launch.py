@@ -6,7 +6,8 @@ move between ranks) with the uninterrupted run's losses, and ends with the weigh
 single-process fit on the same batches. The 4-D recipe (dp2 x tp2+SP x pp2, ZeRO-1) runs
 on 8 processes and matches a single process too, and both export to the same Hugging
 Face weights. Layouts that cannot run are refused at parse time, before any process starts.
-The one-process fits and ``generate`` run forked from the fork server (``_cli.run_cli``).
+Every command runs forked from the fork server (``_cli.run_cli``), the multi-process fits
+as torchrun starts its ranks (Lightning's own launcher is ``test_hybrid_launch.py``'s).
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def _single_process_weights(
 def pipeline_run(shakespeare_gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted 2-process pipeline run; returns its save dir."""
     save_dir = tmp_path_factory.mktemp("pipeline")
-    run_cli(*_fit_args(PIPELINE, shakespeare_gpt2, save_dir), cwd=REPO)
+    run_cli(
+        *_fit_args(PIPELINE, shakespeare_gpt2, save_dir), cwd=REPO, fresh_interpreter=False, ranks=2
+    )
     return save_dir
 
 
@@ -92,6 +95,8 @@ def test_pipeline_resumes_under_interleaved_layout(
         "--trainer.strategy.init_args.schedule=interleaved",
         "--trainer.strategy.init_args.virtual_pipeline_parallel=2",
         cwd=REPO,
+        fresh_interpreter=False,
+        ranks=2,
     )
     resumed, uninterrupted = _losses(tmp_path, name), _losses(pipeline_run, name)
     assert sorted(resumed) == [2, 3]
@@ -115,7 +120,8 @@ def test_pipeline_weights_match_single_process_fit(
 def test_four_d_recipe_matches_single_process(shakespeare_llama3: Path, tmp_path: Path) -> None:
     """dp2 x tp2(+SP) x pp2 on 8 processes, per-rank batches of 4 = one process on 8."""
     save_dir = tmp_path / "four_d"
-    run_cli(*_fit_args(FOUR_D, shakespeare_llama3, save_dir, "--trainer.max_steps=2"), cwd=REPO)
+    args = _fit_args(FOUR_D, shakespeare_llama3, save_dir, "--trainer.max_steps=2")
+    run_cli(*args, cwd=REPO, fresh_interpreter=False, ranks=8)
     # (Logged losses are rank 0's replica's, so only the weights are compared.)
     assert sorted(_losses(save_dir, "llama3_debug_4d_cpu")) == [0, 1]
     single_dir = tmp_path / "single"

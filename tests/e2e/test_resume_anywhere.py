@@ -43,6 +43,10 @@ LAYOUTS = {
     ],
     "hybrid dp2 x tp2": ["--trainer.devices", "4", "--data.init_args.batch_size", "2"],
 }
+RANKS = {
+    layout: int(options[options.index("--trainer.devices") + 1])
+    for layout, options in LAYOUTS.items()
+}
 
 
 def _fit(data: Path, out: Path, layout: str, max_steps: int, *extra: str) -> dict[int, float]:
@@ -75,7 +79,8 @@ def _fit(data: Path, out: Path, layout: str, max_steps: int, *extra: str) -> dic
         *LAYOUTS[layout],
         *extra,
         cwd=out.parent,
-        fresh_interpreter=layout != "one process",  # one process: forked, no imports
+        fresh_interpreter=False,  # forked, as torchrun starts ranks: no imports
+        ranks=RANKS[layout],
     )
     (version,) = (out / "llama3_debug_hybrid_cpu").glob("version_*")
     return logged_losses(version)
