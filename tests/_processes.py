@@ -65,18 +65,25 @@ def adopt(env: dict[str, str]) -> None:
 
 def stop(procs: list[BaseProcess], grace: float) -> None:
     """Every process in ``procs`` and its process group gone: ``grace`` seconds to exit by
-    itself, then SIGKILL. The wait does not reap a process that exited, so its pid still
-    names its group when the group is killed (a reaped pid could be reused)."""
+    itself, then SIGKILL, also when the wait is interrupted. A child's group keeps its
+    pid as long as any process of the group lives, so killing the group reaches what an
+    exited child left running. A child stopped before it made its own group (see
+    :func:`adopt`) is killed by its pid, which the fork server has not reaped yet."""
     started = [proc for proc in procs if proc.pid is not None]
     deadline = time.monotonic() + grace
     pending = {proc.sentinel: proc for proc in started}
-    while pending and time.monotonic() < deadline:
-        for sentinel in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
-            del pending[sentinel]
-    for proc in started:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # a hung child, or what a child left running
-        proc.join()
+    try:
+        while pending and time.monotonic() < deadline:
+            for sentinel in wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
+                del pending[sentinel]
+    finally:
+        for proc in started:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # a hung child, or what it left running
+            if not wait([proc.sentinel], timeout=0.1):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(proc.pid, signal.SIGKILL)  # still in the server's group
+            proc.join()
 
 
 def run_command(

@@ -20,17 +20,18 @@ def _fresh_launch_environment() -> Iterator[None]:
     reset_launch_environment()
 
 
-# The slowest files first, longest first (measured serially, two cores): `make test` hands
-# whole files to its workers in this order (`--dist loadfile --no-loadscope-reorder`;
-# pytest-xdist would otherwise order files by their number of tests, and these long ones,
-# with few tests each, would start last and run alone at the end). Each starts while the
-# other worker still has work, and the many short unit files fill the end.
+# The slowest files first, longest first (their test time in a `make test` run's junit
+# XML, two workers on two cores): `make test` hands whole files to its workers in this
+# order (`--dist loadfile --no-loadscope-reorder`; pytest-xdist would otherwise order files
+# by their number of tests, and these long ones, with few tests each, would start last and
+# run alone at the end). Each starts while the other worker still has work, and the many
+# short unit files fill the end.
 SLOWEST_FIRST = (
-    "e2e/test_hybrid_launch.py", "e2e/test_resume_anywhere.py", "e2e/test_pipeline_launch.py",
-    "e2e/test_bench.py", "e2e/test_cli.py", "distributed/test_pipeline.py",
-    "e2e/test_pretrained.py", "distributed/test_zero.py", "e2e/test_wheel.py",
-    "e2e/test_kill_during_save.py", "unit/test_gpu_check.py", "e2e/test_elastic.py",
-    "distributed/test_hybrid.py", "distributed/test_estimate_distributed.py",
+    "e2e/test_resume_anywhere.py", "e2e/test_hybrid_launch.py", "e2e/test_cli.py",
+    "e2e/test_pretrained.py", "distributed/test_pipeline.py", "e2e/test_bench.py",
+    "e2e/test_kill_during_save.py", "distributed/test_zero.py", "e2e/test_pipeline_launch.py",
+    "e2e/test_elastic.py", "distributed/test_hybrid.py", "e2e/test_wheel.py",
+    "unit/test_gpu_check.py", "unit/test_startup.py", "distributed/test_estimate_distributed.py",
 )  # fmt: skip
 
 

@@ -13,9 +13,10 @@ rendezvous address, run id), which Lightning takes for an external launcher's, s
 starts no ranks of its own. Tests of the launch itself (Lightning's launcher, torchrun,
 kills and restarts) keep fresh interpreters.
 
-Every command runs in a process group of its own (Lightning's launcher starts the other
+A fresh command runs in a process group of its own (Lightning's launcher starts the other
 ranks in it), and the whole group is killed when the command times out or the test is
-interrupted (``_processes.run_command``).
+interrupted (``_processes.run_command``); each forked rank has a group of its own, and
+every group is killed the same way (``_processes.stop``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def run_cli(
     """Run ``plugintrain ARGS`` (see the module docstring for ``fresh_interpreter`` and
     ``ranks``); fail with its output unless it exits with ``exit_code`` within ``timeout``
     seconds."""
-    if ranks > 1 and fresh_interpreter:
-        raise ValueError("ranks > 1 are forked: pass fresh_interpreter=False")
+    if ranks < 1 or (ranks > 1 and fresh_interpreter):
+        raise ValueError(f"ranks={ranks}: one or more, and more than one only forked")
     reset_launch_environment()  # a fixture may have trained in this process just before
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
@@ -86,9 +87,9 @@ def _run_forked(
     args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float, ranks: int
 ) -> subprocess.CompletedProcess:
     """``args`` as ``ranks`` children of the fork server. The result holds rank 0's stdout,
-    every rank's stderr (rank 0's last) and the status of the first rank to fail (then the
-    others have ``FAILED_RANK_GRACE`` seconds to end by themselves, as torchrun's agent
-    gives them, before they are killed), or 0."""
+    the other ranks' stdout and every rank's stderr (rank 0's last) in stderr, and the
+    status of the first rank seen to fail (the others then have ``FAILED_RANK_GRACE``
+    seconds to end by themselves before SIGKILL), or 0."""
     command = ["plugintrain", *args]
     envs, store = [env], None
     if ranks > 1:
@@ -100,6 +101,8 @@ def _run_forked(
         envs = [{**env, **_torchrun_variables(rank, ranks, store.port)} for rank in range(ranks)]
     with tempfile.TemporaryDirectory(prefix="plugintrain-cli-") as tmp:
         outputs = [(Path(tmp, f"stdout{r}"), Path(tmp, f"stderr{r}")) for r in range(ranks)]
+        for path in (path for pair in outputs for path in pair):
+            path.touch()  # read back even if a child dies before it opens them
         children = [
             context().Process(
                 target=_cli_child, args=(list(args), str(cwd), rank_env, str(out), str(err))
@@ -113,15 +116,25 @@ def _run_forked(
             status = _first_failure(children, timeout)
         finally:
             stop(children, grace=FAILED_RANK_GRACE if status else 0)
-        stdout = outputs[0][0].read_text()
+        stdout = outputs[0][0].read_text(errors="replace")
         stderr = "".join(
-            (f"[rank {rank} stderr]\n" if ranks > 1 else "") + err.read_text()
-            for rank, (_, err) in reversed(list(enumerate(outputs)))
+            _rank_output(rank, out, err, ranks)
+            for rank, (out, err) in reversed(list(enumerate(outputs)))
         )
     del store  # after every rank is gone
     if status is None:
         raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
     return subprocess.CompletedProcess(command, status, stdout, stderr)
+
+
+def _rank_output(rank: int, out: Path, err: Path, ranks: int) -> str:
+    """What a rank's stderr (and, for ranks after 0, stdout) adds to the command's stderr."""
+    text = err.read_text(errors="replace")
+    if ranks == 1:
+        return text
+    if rank:
+        text = out.read_text(errors="replace") + text
+    return f"[rank {rank} output]\n{text}" + ("" if text.endswith("\n") or not text else "\n")
 
 
 FAILED_RANK_GRACE = 10.0
@@ -143,8 +156,8 @@ def _torchrun_variables(rank: int, ranks: int, port: int) -> dict[str, str]:
 
 
 def _first_failure(children: list[BaseProcess], timeout: float) -> int | None:
-    """Wait until every child exited or one failed: the first nonzero status, 0, or None
-    on a timeout. The wait does not reap the children (see ``_processes.stop``)."""
+    """Wait until every child exited or one failed: the first nonzero status seen (a
+    signal's as its negative number), 0, or None on a timeout."""
     deadline = time.monotonic() + timeout
     pending = {child.sentinel: child for child in children}
     while pending:
@@ -163,8 +176,13 @@ def _cli_child(args: list[str], cwd: str, env: dict[str, str], out: str, err: st
     directory, environment and arguments, stdout and stderr into files, ``sys.exit``'s
     status and the interpreter's exit handlers."""
     adopt(env)
-    if "OMP_NUM_THREADS" in env:  # what an interpreter's start reads, the server's did not
+    # What a fresh interpreter reads from its environment at start, the server did not.
+    if "OMP_NUM_THREADS" in env:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if "RANK" in env:  # Lightning's rank-zero filter, set when Lightning was imported
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        rank_zero_only.rank = int(env["RANK"])
     os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
