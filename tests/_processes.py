@@ -24,7 +24,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -111,13 +110,6 @@ def run_command(
                 raise subprocess.TimeoutExpired(command, timeout, stdout, stderr) from None
             raise
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def kill_group(pid: int) -> None:

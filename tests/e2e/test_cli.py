@@ -233,7 +233,7 @@ def test_ddp_two_processes_from_the_same_recipe(shakespeare_gpt2: Path, tmp_path
     assert ckpt["TokenDataModule"]["position"] == 2 * 2 * 2
 
 
-def test_forked_ranks_fail_with_the_first_failure_and_every_rank_s_stderr(tmp_path: Path) -> None:
+def test_forked_ranks_fail_with_the_first_failure_and_every_rank_s_output(tmp_path: Path) -> None:
     """The test runner's torchrun-like launch (``run_cli(..., ranks=2)``, what the
     multi-process fits of other files use): both ranks refuse a mistyped option, the
     command exits 2 with each rank's output, rank 0's last, and wrote nothing."""

@@ -14,13 +14,14 @@ with its workers.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _processes import free_port, kill_group
+from _processes import kill_group
 
 from plugintrain.checkpoints.dcp import read_weights
 
@@ -75,7 +76,7 @@ def test_devices_4_trains_and_writes_dcp_checkpoints(single_node: Path) -> None:
 def test_two_node_torchrun_equals_single_node(
     single_node: Path, shakespeare_llama3: Path, tmp_path: Path
 ) -> None:
-    port = free_port()
+    port = _free_port()
     args = _fit_args(shakespeare_llama3, tmp_path, "--trainer.devices=2", "--trainer.num_nodes=2")
     nodes = [_torchrun_node(rank, port, args, tmp_path) for rank in (0, 1)]
     try:
@@ -160,3 +161,9 @@ def _torchrun_node(
             command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     return proc, log
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
