@@ -33,6 +33,13 @@ COMMANDS = {
     "recipes": ["recipes"],
     "fit --trainer.max_step 5 (a typo)": ["fit", "--config", RECIPE, "--trainer.max_step", "5"],
     "fit --help": ["fit", "--help"],
+    "fit --trainer.strategy nonsense (parsed, then refused)": [
+        "fit",
+        "--config",
+        RECIPE,
+        "--trainer.strategy",
+        "nonsense",
+    ],
 }
 """Row name -> ``plugintrain`` arguments."""
 

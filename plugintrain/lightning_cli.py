@@ -7,11 +7,14 @@ imports Lightning, plugintrain's strategies and callbacks).
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from docstring_parser import DocstringStyle
 from jsonargparse import set_parsing_settings
 from jsonargparse.typing import import_object
 from lightning.fabric.plugins import CheckpointIO
@@ -56,8 +59,21 @@ from plugintrain.precision_plugins import canonical_precision_name, precision_pl
 
 plugintrain.strategies.register()  # zero1, zero2, hybrid, ... by name
 
-# Config dataclasses document their fields with attribute docstrings; show them in --help.
-set_parsing_settings(docstring_parse_attribute_docstrings=True)
+# Options whose output shows docstrings: help (also a class's, `--model.help Transformer`)
+# and `--print_config=comments`.
+_SHOWS_DOCS = re.compile(r"-h|--help|--print_config(=.*)?|--[\w.]+\.help(=.*)?")
+
+
+def _parse_docstrings_for(args: list[str]) -> None:
+    """Docstrings are Google-style here and in Lightning: parse only that style (the
+    default tries every style on every docstring). Config dataclasses document their
+    fields with attribute docstrings, which ``--help`` shows; reading them means parsing
+    the classes' source, so it is done only when the command prints documentation
+    (together about a second of every start-up otherwise)."""
+    set_parsing_settings(
+        docstring_parse_style=DocstringStyle.GOOGLE,
+        docstring_parse_attribute_docstrings=any(_SHOWS_DOCS.fullmatch(a) for a in args),
+    )
 
 
 def _use_our_precision_plugin(trainer_config: dict[str, Any]) -> None:
@@ -206,6 +222,7 @@ class PluginTrainCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)
         self._launched = False
+        _parse_docstrings_for([str(a) for a in (sys.argv[1:] if args is None else args)])
         try:
             super().__init__(args=args, run=run, **kwargs)
         except Exception as error:

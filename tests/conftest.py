@@ -7,10 +7,24 @@ reset (:mod:`_launch_env`), so no later command inherits them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from _launch_env import reset_launch_environment
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Workers that fill the cores between them get one intra-op thread each, as torchrun
+    # gives each of several ranks on a node: two workers of two OpenMP threads each on two
+    # cores would spin waiting for each other's threads. The commands and ranks the tests
+    # start inherit it (``OMP_NUM_THREADS``). A serial run (`TEST_WORKERS=0`) keeps them all.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers >= (os.cpu_count() or 1) and "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

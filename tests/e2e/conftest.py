@@ -74,11 +74,18 @@ def uninterrupted_llama3_run(
 ) -> tuple[dict[int, float], Path]:
     """One uninterrupted single-process run of the Llama debug recipe (8 steps at batch 4,
     seq_len 32, a checkpoint every 2 steps, all kept): step -> loss, and its checkpoint
-    directory (``epoch=0-step=<n>.ckpt`` files), shared by every test that needs it."""
-    from kill_during_save import NAME, STEPS, save_events
+    directory (``epoch=0-step=<n>.ckpt`` files), shared by every test that needs it. It is
+    ``kill_during_save.py``'s reference run, forked from the fork server (no imports)."""
+    from kill_during_save import NAME, STEPS, fit_args
+
+    from _cli import logged_losses, run_cli
 
     def run(work: Path) -> None:
-        losses, _ = save_events(shakespeare_llama3, work, "single", "--checkpoint.save_top_k=-1")
+        out = work / "single_reference"
+        args = fit_args(shakespeare_llama3, out, "single", "--checkpoint.save_top_k=-1")
+        run_cli(*args, cwd=work, fresh_interpreter=False)
+        (version,) = (out / NAME).glob("version_*")
+        losses = logged_losses(version)
         assert sorted(losses) == list(range(STEPS))
         (work / "losses.json").write_text(json.dumps(losses))
 

@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +54,9 @@ class Outcome:
     failures: list[str] = field(default_factory=list)
 
 
-def _args(data: Path, out: Path, strategy: str, *extra: str) -> list[str]:
+def fit_args(data: Path, out: Path, strategy: str, *extra: str) -> list[str]:
+    """``plugintrain`` arguments of ``strategy``'s run, logging (and checkpointing) under
+    ``out``."""
     return [
         "fit", "--config", str(RECIPE), "--data.init_args.data_dir", str(data),
         "--data.init_args.seq_len", "32", "--trainer.limit_val_batches", "0",
@@ -95,7 +98,7 @@ def save_events(
     """An uninterrupted run (``extra``: more CLI options): its losses, and the steps of
     each (save, rank). It logs under ``work / f"{strategy}_reference"``."""
     out = work / f"{strategy}_reference"
-    proc = _run([*_killer(0, "0", -1), *_args(data, out, strategy, *extra)], work)
+    proc = _run([*_killer(0, "0", -1), *fit_args(data, out, strategy, *extra)], work)
     if proc.returncode != 0:
         raise RuntimeError(f"{strategy} reference run failed:\n{proc.stderr[-6000:]}")
     counts = re.findall(r"SAVE (\d+) EVENTS rank (\d+): (\d+)", proc.stdout)
@@ -114,23 +117,19 @@ def attempt(
     expected: dict[int, float],
     where: tuple[int, str, int],
     resume_as: str | None = None,
+    resume: Callable[[list[str], Path], subprocess.CompletedProcess] | None = None,
 ) -> tuple[bool, str | None]:
     """Kill ``strategy``'s job at ``where`` = (save, event, rank) and resume it (under
     ``resume_as``, default the same strategy); returns (the kill landed inside the save,
     what went wrong or None). ``expected`` are the resuming layout's uninterrupted losses
-    (a data-parallel run logs rank 0's share of the batch)."""
+    (a data-parallel run logs rank 0's share of the batch). ``resume(args, cwd)`` runs
+    ``plugintrain args`` for the resume (default: ``python -m plugintrain`` in a fresh
+    interpreter)."""
     out = Path(tempfile.mkdtemp(dir=work, prefix=f"{strategy}_"))
-    killed = _run([*_killer(*where), *_args(data, out, strategy)], work)
+    killed = _run([*_killer(*where), *fit_args(data, out, strategy)], work)
     landed = "KILLED at save event" in killed.stdout
-    resumed = _run(
-        [
-            sys.executable,
-            "-m",
-            "plugintrain",
-            *_args(data, out, resume_as or strategy, "--ckpt_path", "last"),
-        ],
-        work,
-    )
+    resume = resume or (lambda args, cwd: _run([sys.executable, "-m", "plugintrain", *args], cwd))
+    resumed = resume(fit_args(data, out, resume_as or strategy, "--ckpt_path", "last"), work)
     where = f"{strategy} killed in save {where[0]} at event {where[1]} of rank {where[2]}"
     if resumed.returncode != 0:
         return landed, f"{where}: resume exited {resumed.returncode}: {resumed.stderr[-2000:]}"
