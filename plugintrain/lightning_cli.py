@@ -222,7 +222,9 @@ class PluginTrainCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)
         self._launched = False
-        _parse_docstrings_for([str(a) for a in (sys.argv[1:] if args is None else args)])
+        argv = sys.argv[1:] if args is None else args
+        # LightningCLI also takes a config (dict or Namespace) as args: it asks for no help.
+        _parse_docstrings_for([str(a) for a in argv] if isinstance(argv, list | tuple) else [])
         try:
             super().__init__(args=args, run=run, **kwargs)
         except Exception as error:

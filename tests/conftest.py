@@ -2,7 +2,8 @@
 modules import the helpers beside it (``from _hf_models import random_hf_llama``).
 
 Around every test the launch variables a Lightning run in this process leaves behind are
-reset (:mod:`_launch_env`), so no later command inherits them.
+reset (:mod:`_launch_env`), so no later command inherits them. Workers that fill the cores
+run with one intra-op thread, and so does every command they start (``OMP_NUM_THREADS``).
 """
 
 from __future__ import annotations

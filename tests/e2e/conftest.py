@@ -74,8 +74,8 @@ def uninterrupted_llama3_run(
 ) -> tuple[dict[int, float], Path]:
     """One uninterrupted single-process run of the Llama debug recipe (8 steps at batch 4,
     seq_len 32, a checkpoint every 2 steps, all kept): step -> loss, and its checkpoint
-    directory (``epoch=0-step=<n>.ckpt`` files), shared by every test that needs it. It is
-    ``kill_during_save.py``'s reference run, forked from the fork server (no imports)."""
+    directory (``epoch=0-step=<n>.ckpt`` files), shared by every test that needs it:
+    ``kill_during_save.fit_args``' single-process run, forked from the fork server."""
     from kill_during_save import NAME, STEPS, fit_args
 
     from _cli import logged_losses, run_cli

@@ -27,7 +27,7 @@ def test_a_kill_inside_save_resumes_exactly(
     where = (4, event, 0)  # save 4 replaces last.ckpt; rank 0 renames
     landed, failure = attempt(
         shakespeare_llama3, tmp_path, strategy, uninterrupted_llama3, where, resume_as="single",
-        resume=lambda args, cwd: run_cli(*args, cwd=cwd, fresh_interpreter=False),
+        resume=lambda args, cwd: run_cli(*args, cwd=cwd, fresh_interpreter=False, exit_code=None),
     )  # fmt: skip
     assert landed, "the kill point was not reached: the save has fewer renames than assumed"
     assert failure is None, failure
