@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
     from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
     from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
-    from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule, TokenWindows
+    from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule
+    from plugintrain.data.token_shards import TokenWindows
     from plugintrain.data.tokenizers import (
         TOKENIZER_NAMES,
         Tokenizer,
@@ -33,7 +34,8 @@ _MODULES = {
     "prepare": ("prepare_mnist", "prepare_shakespeare"),
     "token_bin": ("TokenFileError", "read_token_bin", "write_token_bin"),
     "token_bytes": ("read_token_bytes", "write_token_bytes"),
-    "token_datamodule": ("ResumableSampler", "TokenDataModule", "TokenWindows"),
+    "token_datamodule": ("ResumableSampler", "TokenDataModule"),
+    "token_shards": ("TokenWindows",),
     "tokenizers": (
         "TOKENIZER_NAMES",
         "Tokenizer",

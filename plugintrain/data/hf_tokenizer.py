@@ -46,12 +46,21 @@ class HFTokenizer:
         eos_id: Id that `encode` appends with ``eos=True``.
         byte_level: Whether tokens are spelled in GPT-2's byte alphabet (else
             SentencePiece's, ``▁`` for a space and ``<0xNN>`` for a fallback byte).
+        add_bos: Whether the model's own tokenizer leads every text with BOS (its
+            ``tokenizer_config.json``, post-processor or GGUF ``add_bos_token`` says so).
     """
 
     def __init__(
-        self, name: str, backend: Backend, bos_id: int, eos_id: int, byte_level: bool
+        self,
+        name: str,
+        backend: Backend,
+        bos_id: int,
+        eos_id: int,
+        byte_level: bool,
+        add_bos: bool = False,
     ) -> None:
         self.name = name
+        self.add_bos = add_bos
         self.backend = backend
         self.backend.encode_special_tokens = True  # no control ids from text
         self.bos_id = bos_id
@@ -75,10 +84,21 @@ class HFTokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_batch(self, texts: Iterable[str], bos: bool = False) -> list[list[int]]:
-        """Encode several documents in parallel threads, each optionally led by BOS."""
-        batch = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
+    def encode_batch(
+        self, texts: Iterable[str], bos: bool = False, threads: int | None = None
+    ) -> list[list[int]]:
+        """Encode several documents, each optionally led by BOS: in the library's threads,
+        or one after another with ``threads=1``."""
+        texts = list(texts)
+        if threads == 1:
+            batch = [self.backend.encode(t, add_special_tokens=False) for t in texts]
+        else:
+            batch = self.backend.encode_batch_fast(texts, add_special_tokens=False)
         return [([self.bos_id] if bos else []) + e.ids for e in batch]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode`'s ids of ``text`` as uint32."""
+        return np.asarray(self.backend.encode(text, add_special_tokens=False).ids, np.uint32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids, specials spelled out; invalid UTF-8 becomes U+FFFD."""
@@ -153,7 +173,17 @@ def load_hf_tokenizer(path: str | Path, name: str) -> HFTokenizer:
         ) from None
     configs = [_read_json(file.parent / n) for n in ("tokenizer_config.json", "config.json")]
     bos, eos = (_json_special_id(backend, configs, role, file) for role in ("bos", "eos"))
-    return HFTokenizer(name, backend, bos, eos, byte_level=_decodes_byte_level(backend))
+    add_bos = configs[0].get("add_bos_token")
+    if not isinstance(add_bos, bool):  # else the post-processor's template says
+        probe = backend.encode("a", add_special_tokens=True).ids
+        add_bos = (
+            bool(probe)
+            and probe[0] == bos
+            and backend.encode("a", add_special_tokens=False).ids[:1] != [bos]
+        )
+    return HFTokenizer(
+        name, backend, bos, eos, byte_level=_decodes_byte_level(backend), add_bos=add_bos
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -216,7 +246,11 @@ def _from_gguf(path: Path, name: str) -> HFTokenizer:
         ids[role] if ids[role] is not None else _conventional_id(backend.token_to_id, role, path)
         for role in ("bos", "eos")
     )
-    return HFTokenizer(name, backend, bos, eos, byte_level=byte_level)
+    # llama.cpp's default where the file has no add_bos_token: SentencePiece vocabularies
+    # and Llama 3's BPE add BOS, other BPE vocabularies do not (src/llama-vocab.cpp).
+    default = model == "llama" or meta.get("tokenizer.ggml.pre") in _WHOLE_WORD_PRES
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default))
+    return HFTokenizer(name, backend, bos, eos, byte_level=byte_level, add_bos=add_bos)
 
 
 def _gguf_byte_level(meta: dict[str, Any], path: Path) -> Backend:

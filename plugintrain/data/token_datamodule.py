@@ -2,64 +2,25 @@
 
 from __future__ import annotations
 
-import json
-import shlex
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from plugintrain.data._pinning import pin_memory_for
-from plugintrain.data.token_bin import read_token_bin
+from plugintrain.data.mixture import MixtureWindows
+from plugintrain.data.prepared_folders import PreparedFolders, mixture_entries
 from plugintrain.data.token_bytes import read_token_bytes
-from plugintrain.data.tokenizers import tokenizer_short_name, tokenizer_spec
+from plugintrain.data.token_shards import TokenWindows
 
 # Lightning warns on every mid-epoch resume unless the DataLoader itself is stateful; this
 # datamodule restores the position through its sampler instead, so the warning is wrong here.
 _NOT_RESUMABLE_WARNING = "You're resuming from a checkpoint that ended before the epoch ended"
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping windows of a token file: item ``i`` is ``(x, y)``, int64 of shape (T,).
-
-    ``x = tokens[i*T : i*T + T]`` and ``y = tokens[i*T + 1 : i*T + T + 1]`` (next tokens).
-
-    Args:
-        path: llm.c token file, memory-mapped on first access (also in each worker).
-        seq_len: Window length T.
-    """
-
-    def __init__(self, path: str | Path, seq_len: int) -> None:
-        self.path = Path(path)
-        self.seq_len = seq_len
-        self._tokens: np.memmap | None = None
-        self.num_tokens = len(self.tokens)
-
-    @property
-    def tokens(self) -> np.memmap:
-        """The memory-mapped token ids."""
-        if self._tokens is None:
-            self._tokens = read_token_bin(self.path)
-        return self._tokens
-
-    def __len__(self) -> int:
-        # The last window needs one extra token for its final target.
-        return max(self.num_tokens - 1, 0) // self.seq_len
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.seq_len
-        chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return chunk[:-1], chunk[1:]
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Workers re-open the memmap rather than receive a pickled copy of the whole file.
-        return {**self.__dict__, "_tokens": None}
 
 
 class ResumableSampler(DistributedSampler):
@@ -97,7 +58,7 @@ class ResumableSampler(DistributedSampler):
         self.resume_epoch, self.resume_position = epoch, position
 
     def __iter__(self) -> Iterator[int]:
-        if self.epoch != self.resume_epoch:
+        if self.epoch != self.resume_epoch and not self._by_epoch:
             return iter(list(super().__iter__()))
         # The group's order from the position on, dealt out to this layout's ranks in turn:
         # with the same layout exactly DistributedSampler's own split, skipped ahead.
@@ -105,11 +66,20 @@ class ResumableSampler(DistributedSampler):
         end = len(rest) // self.num_replicas * self.num_replicas
         if not self.drop_last and len(rest) > end:
             end += self.num_replicas
-            rest = (rest * (end // max(len(rest), 1) + 1))[:end]
+            rest = (list(rest) * (end // max(len(rest), 1) + 1))[:end]
         return iter(rest[self.rank : end : self.num_replicas])
 
-    def _group_order(self) -> list[int]:
+    @property
+    def _by_epoch(self) -> bool:
+        """Whether the dataset numbers its samples by epoch (a mixture: epoch ``e``'s are
+        ``e*N .. e*N + N - 1``, in that order)."""
+        return bool(getattr(self.dataset, "indexed_by_epoch", False))
+
+    def _group_order(self) -> Sequence[int]:
         """This epoch's sample order for the whole data-parallel group (before the split)."""
+        if self._by_epoch:  # a range: sliced and dealt out lazily, never listed
+            size = len(self.dataset)  # type: ignore[arg-type]
+            return range(self.epoch * size, (self.epoch + 1) * size)
         if not self.shuffle:
             return list(range(len(self.dataset)))  # type: ignore[arg-type]
         generator = torch.Generator()
@@ -139,8 +109,19 @@ class TokenDataModule(LightningDataModule):
         seed: Shuffling seed; epoch ``e`` is shuffled with ``seed + e``.
         shuffle: Shuffle training windows each epoch (validation is never shuffled).
         num_workers: DataLoader worker processes.
-        train_file: Training token file name inside ``data_dir``.
-        val_file: Validation token file name inside ``data_dir``.
+        train_file: Training token file name inside ``data_dir`` (folders without
+            ``prepare text``'s ``meta.json``; that one lists its shards).
+        val_file: Validation token file name inside ``data_dir`` (likewise).
+        mix: Several prepared folders blended by weight instead of ``data_dir``:
+            ``[{path: DIR, weight: 0.7}, ...]`` (weights > 0, normalized; see
+            `plugintrain.data.mixture`). Validation reads every folder's held-out split.
+        respect_documents: Training windows never cross a document boundary (documents
+            end with the EOS that ``prepare text`` records): each document is cut into
+            whole windows from its start and a tail shorter than one window is not trained
+            on. Off: windows tile the token stream across boundaries (the attention is not
+            reset at a boundary either way; packing with a reset comes with the loss mask).
+        verify_shards: Check each shard's sha256 against ``meta.json`` before training
+            (once per file version; the result is cached under ``$PLUGINTRAIN_CACHE``).
     """
 
     def __init__(
@@ -156,6 +137,9 @@ class TokenDataModule(LightningDataModule):
         num_workers: int = 0,
         train_file: str = "train.bin",
         val_file: str = "val.bin",
+        mix: list[dict[str, Any]] | None = None,
+        respect_documents: bool = False,
+        verify_shards: bool = True,
     ) -> None:
         super().__init__()
         if seq_len < 1 or batch_size < 1:
@@ -173,23 +157,45 @@ class TokenDataModule(LightningDataModule):
         self.num_workers = num_workers
         self.train_file = train_file
         self.val_file = val_file
-        self.train_set: TokenWindows | None = None
+        self.mix = mixture_entries(mix)
+        self.respect_documents = respect_documents
+        self.verify_shards = verify_shards
+        self._saved_mixture: dict[str, Any] | None = None
+        self.train_set: TokenWindows | MixtureWindows | None = None
         self.val_set: TokenWindows | None = None
         self._train_sampler: ResumableSampler | None = None
         self._token_bytes: torch.Tensor | None = None
         # (epoch, group position, Lightning's processed count when the epoch resumed)
         self._resume: tuple[int, int, int | None] = (-1, 0, 0)
-        self._check_prepared()
+        paths = [path for path, _ in self.mix] if self.mix else [self.data_dir]
+        self.prepared = PreparedFolders(paths, train_file, val_file, tokenizer)
+        self.prepared.check(vocab_size, verify_shards)
 
     def setup(self, stage: str) -> None:
         """Open and check the token files needed by ``stage``, and the bytes per token."""
         if stage in ("fit", "validate") and self.val_set is None:
-            self.val_set = self._open(self.val_file)
+            self.val_set = self.prepared.windows("val", self.seq_len, self.vocab_size)
         if stage == "fit" and self.train_set is None:
-            self.train_set = self._open(self.train_file)
+            self.train_set = self._training_set()
         if self._token_bytes is None:
-            counts = read_token_bytes(self.data_dir)
+            counts = read_token_bytes(self.prepared.paths[0])
             self._token_bytes = None if counts is None else torch.from_numpy(counts)
+
+    def _training_set(self) -> TokenWindows | MixtureWindows:
+        """The training windows: one folder's, or the mixture of every folder's."""
+        sources = [
+            self.prepared.windows(
+                "train", self.seq_len, self.vocab_size, self.respect_documents, [folder]
+            )
+            for folder in self.prepared.paths
+        ]
+        if not self.mix:
+            return sources[0]
+        weights, names = [w for _, w in self.mix], [str(p) for p in self.prepared.paths]
+        mixture = MixtureWindows(sources, weights, self.seed, self.shuffle, names)
+        if self._saved_mixture is not None:
+            mixture.resume(self._saved_mixture, self._resume[0], self._resume[1])
+        return mixture
 
     @property
     def token_bytes(self) -> torch.Tensor | None:
@@ -214,7 +220,7 @@ class TokenDataModule(LightningDataModule):
         sampler = self._sampler(self.val_set, shuffle=False, drop_last=False)
         return self._loader(self.val_set, sampler, drop_last=False)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Training position for checkpoints: the epoch and how many samples of it the whole
         data-parallel group trained on, so a resume under any dp size or batch size
         continues with the samples the uninterrupted run would see next.
@@ -231,15 +237,18 @@ class TokenDataModule(LightningDataModule):
         if epoch != resumed_epoch or processed_before is None:  # None: no batch drawn yet
             position, processed_before = (0, 0) if epoch != resumed_epoch else (position, processed)
         replicas, _ = self._data_parallel_layout()
-        group_batch = self.batch_size * replicas
-        return {"epoch": epoch, "position": position + (processed - processed_before) * group_batch}
+        position += (processed - processed_before) * self.batch_size * replicas
+        state: dict[str, Any] = {"epoch": epoch, "position": position}
+        if isinstance(self.train_set, MixtureWindows):
+            state["mixture"] = self.train_set.state(epoch, position)
+        return state
 
     def _processed_batches(self) -> int:
         """Lightning's count of this epoch's finished training batches (0 without a fit loop)."""
         fit_loop = getattr(self.trainer, "fit_loop", None)
         return 0 if fit_loop is None else fit_loop.epoch_loop.batch_progress.current.processed
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the training sampler at the position saved by `state_dict`."""
         if not state_dict:
             return
@@ -248,58 +257,19 @@ class TokenDataModule(LightningDataModule):
         else:  # older checkpoints counted this rank's samples, under the same layout
             position = state_dict["samples"] * self._data_parallel_layout()[0]
         self._resume = (state_dict["epoch"], position, None)
+        if ("mixture" in state_dict) != bool(self.mix):
+            had = "a mixture of folders" if "mixture" in state_dict else "one folder"
+            raise ValueError(
+                f"the checkpoint was trained on {had} and this run reads"
+                f" {'a mixture' if self.mix else 'one folder'}; resume with the checkpoint's"
+                " data (`--data.init_args.mix` as it was, or `data_dir`)"
+            )
+        self._saved_mixture = state_dict.get("mixture")
+        if isinstance(self.train_set, MixtureWindows) and self._saved_mixture is not None:
+            self.train_set.resume(self._saved_mixture, state_dict["epoch"], position)
         if self._train_sampler is not None:
             self._train_sampler.resume(state_dict["epoch"], position)
         warnings.filterwarnings("ignore", _NOT_RESUMABLE_WARNING, PossibleUserWarning)
-
-    def _check_prepared(self) -> None:
-        """Refuse missing token files, and files of another tokenizer or a larger vocabulary.
-
-        Runs on construction, so a bad ``data_dir`` stops ``plugintrain fit`` before any
-        process is launched. ``plugintrain prepare`` records the tokenizer and its
-        vocabulary size in ``meta.json``; files without one (from llm.c, say) are checked
-        by their largest token id when opened.
-        """
-        meta = _read_meta(self.data_dir)
-        recorded = meta.get("tokenizer")
-        if self.tokenizer is not None and _written_by_another(recorded, self.tokenizer):
-            raise ValueError(_other_tokenizer(self.data_dir, recorded, self.tokenizer))
-        if self.vocab_size is not None and meta.get("vocab_size", 0) > self.vocab_size:
-            raise ValueError(
-                f"{self.data_dir} holds {recorded} tokens with ids up to {meta['vocab_size'] - 1}"
-                f" (its meta.json), outside the model's vocab_size={self.vocab_size}; give the"
-                f" model a vocab_size of at least {meta['vocab_size']}"
-            )
-        for name in (self.train_file, self.val_file):
-            if not (self.data_dir / name).is_file():
-                raise FileNotFoundError(self._missing(self.data_dir / name, bool(meta)))
-
-    def _missing(self, path: Path, overwrite: bool) -> str:
-        command = _prepare_command(self.data_dir, self.tokenizer or "gpt2", overwrite)
-        return f"token file {path} not found; create it with `{command}`"
-
-    def _open(self, name: str) -> TokenWindows:
-        path = self.data_dir / name
-        if not path.exists():
-            raise FileNotFoundError(self._missing(path, overwrite=True))
-        windows = TokenWindows(path, self.seq_len)
-        if len(windows) == 0:
-            raise ValueError(
-                f"{path} holds {windows.num_tokens} tokens, too few for one window of "
-                f"seq_len={self.seq_len} (needs {self.seq_len + 1})"
-            )
-        self._check_vocab(windows)
-        return windows
-
-    def _check_vocab(self, windows: TokenWindows) -> None:
-        if self.vocab_size is None:
-            return
-        top = _max_token(windows.tokens)
-        if top >= self.vocab_size:
-            raise ValueError(
-                f"{windows.path} contains token id {top}, outside the model's "
-                f"vocab_size={self.vocab_size}; was it prepared with another tokenizer?"
-            )
 
     def _sampler(self, dataset: Dataset, shuffle: bool, drop_last: bool) -> ResumableSampler:
         replicas, rank = self._data_parallel_layout()
@@ -325,38 +295,3 @@ class TokenDataModule(LightningDataModule):
             persistent_workers=self.num_workers > 0,
             pin_memory=pin_memory_for(self.trainer),
         )
-
-
-def _read_meta(data_dir: Path) -> dict[str, Any]:
-    """The ``meta.json`` that ``plugintrain prepare`` wrote in ``data_dir``, else ``{}``."""
-    path = data_dir / "meta.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _written_by_another(recorded: str | None, wanted: str) -> bool:
-    """Whether token files whose ``meta.json`` records ``recorded`` hold other ids than
-    ``wanted``'s (specs compared in canonical form; files that record none pass)."""
-    return recorded is not None and tokenizer_spec(recorded) != tokenizer_spec(wanted)
-
-
-def _prepare_command(out: Path, tokenizer: str, overwrite: bool) -> str:
-    """The ``plugintrain prepare`` command that writes ``tokenizer``'s token files to ``out``."""
-    args = ["plugintrain", "prepare", "shakespeare", "--tokenizer", tokenizer, "--out", str(out)]
-    return shlex.join([*args, "--overwrite"] if overwrite else args)
-
-
-def _other_tokenizer(data_dir: Path, recorded: str, wanted: str) -> str:
-    """Why ``data_dir`` (``recorded``'s tokens) cannot feed a model that reads ``wanted``'s,
-    and the command that prepares the right files beside it."""
-    out = data_dir.parent / f"shakespeare_{tokenizer_short_name(wanted)}"
-    overwrite = _written_by_another(_read_meta(out).get("tokenizer"), wanted)
-    return (
-        f"{data_dir} holds {recorded} tokens (its meta.json) but the model reads {wanted}"
-        f" tokens; prepare them with `{_prepare_command(out, wanted, overwrite)}` and pass"
-        f" `--data.init_args.data_dir {shlex.quote(str(out))}`"
-    )
-
-
-def _max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
-    """Largest id, read in chunks so a huge memmap is never loaded whole."""
-    return max(int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk))

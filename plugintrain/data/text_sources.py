@@ -1,0 +1,435 @@
+"""Documents from the user's files: text, JSON lines, JSON, Parquet, Hugging Face datasets.
+
+`expand_inputs` turns the command line's INPUTs (files, folders, globs, a ``save_to_disk``
+directory, ``hf:NAME``) into `Source`\\ s in a fixed order; `Source.documents` streams one
+source's documents as ``(ordinal, text)`` without holding the source whole. Every error is
+a `CorpusError` naming the file and, for line-based formats, the line.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".markdown")
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+KNOWN_SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, ".json", ".parquet")
+COMPRESSIONS = (".gz", ".zst")
+HUB_PREFIX = "hf:"
+MAX_DOC_BYTES = 64 << 20
+"""Default limit of one document's UTF-8 size (``--max_doc_bytes``): a document is held
+whole while it is tokenized, so a file without separators over this is refused."""
+_READ_BLOCK = 1 << 20
+
+
+class CorpusError(ValueError):
+    """Input that cannot be read as documents; the message names the file (and line)."""
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How documents are read out of every source.
+
+    Attributes:
+        text_field: Field (JSON) or column (Parquet, datasets) holding a document's text.
+        separator: Splits a text file into documents; None keeps each file one document.
+        errors: ``strict`` refuses bytes that are not UTF-8; ``replace`` reads them as U+FFFD.
+        max_doc_bytes: Largest document, in UTF-8 bytes.
+        split: Split of a hub dataset.
+        hub_config: Configuration of a hub dataset.
+    """
+
+    text_field: str = "text"
+    separator: str | None = None
+    errors: str = "strict"
+    max_doc_bytes: int = MAX_DOC_BYTES
+    split: str = "train"
+    hub_config: str | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: a file, a ``save_to_disk`` directory or a hub dataset.
+
+    Attributes:
+        label: Its name relative to the INPUT it was found under (what the held-out split
+            hashes, so moving the corpus keeps the split).
+        path: The file or directory (None for a hub dataset).
+        kind: ``text``, ``jsonl``, ``json``, ``parquet``, ``arrow_dir`` or ``hub``.
+        size: Bytes on disk (what tasks are balanced by); 0 for a hub dataset.
+    """
+
+    label: str
+    path: Path | None
+    kind: str
+    size: int
+
+    def documents(self, options: ReadOptions) -> Iterator[tuple[int, str]]:
+        """``(ordinal, text)`` of each record in order; the ordinal counts every record,
+        empty ones included, so it names the same record in every run."""
+        readers = {
+            "text": _text_documents,
+            "jsonl": _jsonl_documents,
+            "json": _json_documents,
+            "parquet": _parquet_documents,
+            "arrow_dir": _arrow_documents,
+            "hub": _hub_documents,
+        }
+        for ordinal, text in readers[self.kind](self, options):
+            # A character is 1 to 4 bytes: only a long text needs counting.
+            if len(text) * 4 <= options.max_doc_bytes:
+                yield ordinal, text
+                continue
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > options.max_doc_bytes:
+                raise CorpusError(
+                    f"{self.where(ordinal)}: a document of {size} bytes, over --max_doc_bytes="
+                    f"{options.max_doc_bytes}; split the file with --separator or raise"
+                    " --max_doc_bytes"
+                )
+            yield ordinal, text
+
+    def where(self, ordinal: int) -> str:
+        """The file and record of ``ordinal`` as an error message names them."""
+        name = self.path if self.path is not None else self.label
+        if self.kind == "jsonl":
+            return f"{name}:{ordinal + 1}"  # records of JSON lines are counted by line
+        if self.kind in ("text",):
+            return f"{name} (document {ordinal + 1})"
+        return f"{name} (record {ordinal + 1})"
+
+
+def expand_inputs(inputs: list[str], suffixes: tuple[str, ...] = ()) -> list[Source]:
+    """The sources that ``inputs`` name, in order: each INPUT's files sorted by path.
+
+    Args:
+        inputs: Files, folders (walked for the known suffixes and ``suffixes``), globs
+            (``**`` recurses), ``save_to_disk`` directories, or ``hf:NAME`` hub datasets.
+        suffixes: More suffixes a folder walk reads as plain text (``.py``, ``.rst``).
+
+    Raises:
+        CorpusError: For a path that does not exist, a glob or folder that matches no
+            file, or a file of a format that cannot be told from its name.
+    """
+    if not inputs:
+        raise CorpusError("no INPUT given; name files, folders, globs or hf:NAME to read")
+    sources: list[Source] = []
+    for spec in inputs:
+        found = _expand_one(spec, tuple(s if s.startswith(".") else f".{s}" for s in suffixes))
+        if not found:
+            raise CorpusError(f"{spec}: matches no file to read; {_KNOWN}")
+        sources.extend(found)
+    labels = [s.label for s in sources]
+    if len(set(labels)) != len(labels):
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        raise CorpusError(f"{twice[0]}: named twice by the INPUTs; name each file once")
+    return sources
+
+
+_KNOWN = (
+    f"plugintrain reads {', '.join(KNOWN_SUFFIXES)} (also {' or '.join(COMPRESSIONS)}"
+    " compressed), save_to_disk directories and hf:NAME; add --suffixes to read others as text"
+)
+
+
+def _expand_one(spec: str, extra: tuple[str, ...]) -> list[Source]:
+    if spec.startswith(HUB_PREFIX):
+        return [Source(spec, None, "hub", 0)]
+    if glob.has_magic(spec):
+        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        root = Path(_glob_root(spec))
+        return [_file_source(p, p.relative_to(root).as_posix(), extra, named=True) for p in paths]
+    path = Path(spec)
+    if not path.exists():
+        raise CorpusError(f"{spec}: no such file or directory")
+    if path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
+        return [Source(path.name, path, "arrow_dir", _tree_size(path))]
+    if path.is_dir():
+        walked = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if _kind(name, extra) is not None and not name.startswith("."):
+                    walked.append(Path(dirpath) / name)
+        files = sorted(walked, key=lambda p: p.relative_to(path).as_posix())
+        return [_file_source(p, p.relative_to(path).as_posix(), extra, named=False) for p in files]
+    return [_file_source(path, path.name, extra, named=True)]
+
+
+def _glob_root(spec: str) -> str:
+    """The folder part of a glob before its first wildcard (what labels are relative to)."""
+    parts = Path(spec).parts
+    fixed = [p for p in parts[: next(i for i, p in enumerate(parts) if glob.has_magic(p))]]
+    return str(Path(*fixed)) if fixed else "."
+
+
+def _file_source(path: Path, label: str, extra: tuple[str, ...], named: bool) -> Source:
+    kind = _kind(path.name, extra)
+    if kind is None:
+        if not named:
+            raise AssertionError(path)  # folder walks keep known suffixes only
+        kind = "text"  # a file named on the command line is read as text whatever its suffix
+    return Source(label, path, kind, path.stat().st_size)
+
+
+def _kind(name: str, extra: tuple[str, ...]) -> str | None:
+    stem = name.lower()
+    for compression in COMPRESSIONS:
+        stem = stem.removesuffix(compression)
+    suffix = Path(stem).suffix
+    if suffix in TEXT_SUFFIXES or suffix in extra:
+        return "text"
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix == ".json":
+        return "json"
+    if suffix == ".parquet" and stem == name.lower():
+        return "parquet"
+    return None
+
+
+def _tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    """The file's bytes, decompressed as its suffix says."""
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".zst"):
+        zstandard = _optional("zstandard", path)
+        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+    return open(path, "rb")
+
+
+def _optional(module: str, path: Path | str) -> Any:
+    """An optional reader library, or a one-line error saying how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise CorpusError(
+            f"{path}: reading it needs the {module} package; install it with"
+            " `pip install 'plugintrain[data]'`"
+        ) from None
+
+
+def _decoded_blocks(source: Source, options: ReadOptions) -> Iterator[str]:
+    """The text of a file in blocks; a byte that is not UTF-8 is named by its offset."""
+    assert source.path is not None
+    decoder = codecs.getincrementaldecoder("utf-8")(options.errors)
+    offset = 0
+    try:
+        with _open_binary(source.path) as stream:
+            while block := stream.read(_READ_BLOCK):
+                try:
+                    yield decoder.decode(block)
+                except UnicodeDecodeError as error:
+                    raise CorpusError(_not_utf8(source.path, offset + error.start)) from None
+                offset += len(block)
+            yield decoder.decode(b"", final=True)
+    except UnicodeDecodeError as error:
+        raise CorpusError(_not_utf8(source.path, offset + error.start)) from None
+    except (OSError, EOFError) as error:
+        raise CorpusError(f"{source.path}: cannot read it ({error})") from None
+
+
+def _not_utf8(path: Path, offset: int) -> str:
+    return (
+        f"{path}: not UTF-8 at byte {offset} (of its decompressed bytes); fix the file or add"
+        " --errors replace to read such bytes as U+FFFD"
+    )
+
+
+def _text_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
+    """One document per file, or the pieces between separators (streamed)."""
+    separator = options.separator
+    if not separator:
+        yield 0, "".join(_decoded_blocks(source, options))
+        return
+    pending, ordinal = "", 0
+    for block in _decoded_blocks(source, options):
+        pending += block
+        *whole, pending = pending.split(separator)
+        for text in whole:
+            yield ordinal, text
+            ordinal += 1
+        if len(pending.encode("utf-8", "surrogatepass")) > options.max_doc_bytes:
+            yield ordinal, pending  # refused by `documents` with the size
+    yield ordinal, pending
+
+
+def _jsonl_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
+    """One document per non-empty line; the ordinal is the line's index."""
+    assert source.path is not None
+    try:
+        with _open_binary(source.path) as raw:
+            offset = 0
+            for index, line in enumerate(io.BufferedReader(raw, _READ_BLOCK)):  # type: ignore[arg-type]
+                if line.strip():
+                    yield (
+                        index,
+                        _record_text(
+                            source,
+                            index,
+                            _parse_line(source, line, index, offset, options),
+                            options,
+                        ),
+                    )
+                offset += len(line)
+    except (OSError, EOFError) as error:
+        raise CorpusError(f"{source.path}: cannot read it ({error})") from None
+
+
+def _parse_line(source: Source, line: bytes, index: int, offset: int, options: ReadOptions) -> Any:
+    try:
+        text = line.decode("utf-8", options.errors)
+    except UnicodeDecodeError as error:
+        raise CorpusError(
+            f"{source.path}:{index + 1}: not UTF-8 at byte {offset + error.start} of the file;"
+            " fix the file or add --errors replace to read such bytes as U+FFFD"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CorpusError(
+            f"{source.path}:{index + 1}: not JSON ({error.msg} at column {error.colno}); each"
+            " line of a .jsonl file must be one JSON object"
+        ) from None
+
+
+def _record_text(source: Source, ordinal: int, record: Any, options: ReadOptions) -> str:
+    field = options.text_field
+    if not isinstance(record, dict) or field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise CorpusError(
+            f"{source.where(ordinal)}: no {field!r} field (found {keys}); name the text's"
+            " field with --text_field"
+        )
+    text = record[field]
+    if not isinstance(text, str):
+        raise CorpusError(
+            f"{source.where(ordinal)}: field {field!r} holds {type(text).__name__}, not text;"
+            " name the text's field with --text_field"
+        )
+    return text
+
+
+def _json_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
+    """A ``.json`` file: an array of objects (read whole), or JSON lines under that name."""
+    assert source.path is not None
+    with _open_binary(source.path) as stream:
+        head = stream.read(_READ_BLOCK).lstrip()
+    if not head.startswith(b"["):
+        yield from _jsonl_documents(
+            Source(source.label, source.path, "jsonl", source.size), options
+        )
+        return
+    text = "".join(_decoded_blocks(source, options))
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise CorpusError(
+            f"{source.path}:{error.lineno}: not JSON ({error.msg} at column {error.colno})"
+        ) from None
+    for ordinal, record in enumerate(records):
+        yield ordinal, _record_text(source, ordinal, record, options)
+
+
+def _parquet_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
+    """Rows of a Parquet file, one column read in record batches."""
+    parquet = _optional("pyarrow.parquet", source.path)  # type: ignore[arg-type]
+    try:
+        file = parquet.ParquetFile(source.path)
+    except Exception as error:  # pyarrow raises ArrowInvalid and OSError subclasses
+        raise CorpusError(f"{source.path}: not a Parquet file ({error})") from None
+    yield from _column_rows(
+        source,
+        file.schema_arrow.names,
+        options,
+        lambda columns: file.iter_batches(batch_size=1024, columns=columns),
+    )
+
+
+def _arrow_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
+    """Rows of a ``datasets`` ``save_to_disk`` directory: its Arrow stream files in order."""
+    pa = _optional("pyarrow", source.path)  # type: ignore[arg-type]
+    assert source.path is not None
+    state = json.loads((source.path / "state.json").read_text())
+    files = [source.path / f["filename"] for f in state.get("_data_files", [])]
+    names = pa.ipc.open_stream(pa.memory_map(str(files[0]))).schema.names if files else []
+
+    def batches(columns: list[str]) -> Iterator[Any]:
+        for file in files:
+            reader = pa.ipc.open_stream(pa.memory_map(str(file)))
+            for batch in reader:
+                yield batch.select(columns)
+
+    yield from _column_rows(source, names, options, batches)
+
+
+def _column_rows(
+    source: Source, names: list[str], options: ReadOptions, batches: Any
+) -> Iterator[tuple[int, str]]:
+    field = options.text_field
+    if field not in names:
+        raise CorpusError(
+            f"{source.path}: no column {field!r} (columns: {', '.join(names)}); name the text's"
+            " column with --text_field"
+        )
+    ordinal = 0
+    for batch in batches([field]):
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise CorpusError(
+                    f"{source.where(ordinal)}: column {field!r} holds {type(text).__name__},"
+                    " not text; name the text's column with --text_field"
+                )
+            yield ordinal, text or ""
+            ordinal += 1
+
+
+def _hub_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
+    """A Hugging Face hub dataset, streamed (needs the network and ``datasets``)."""
+    datasets = _optional("datasets", source.label)
+    name = source.label.removeprefix(HUB_PREFIX)
+    try:
+        rows = datasets.load_dataset(name, options.hub_config, split=options.split, streaming=True)
+    except Exception as error:  # network, unknown name or split: datasets' own message
+        raise CorpusError(f"{source.label}: cannot open it ({error})") from None
+    for ordinal, row in enumerate(rows):
+        yield ordinal, _record_text(source, ordinal, row, options)
+
+
+def document_ordinals(source: Source, options: ReadOptions) -> Iterator[int]:
+    """The ordinals of ``source``'s records, read without decoding its documents where the
+    format allows (``--val_docs`` ranks every document's key before tokenizing)."""
+    if source.kind == "text" and not options.separator:
+        yield 0
+    elif source.kind == "parquet":
+        parquet = _optional("pyarrow.parquet", source.path)  # type: ignore[arg-type]
+        yield from range(parquet.ParquetFile(source.path).metadata.num_rows)
+    elif source.kind == "hub":
+        raise CorpusError(
+            f"{source.label}: --val_docs needs every document counted, which a streamed hub"
+            " dataset cannot give; use --val_fraction"
+        )
+    elif source.kind == "jsonl":
+        assert source.path is not None
+        with _open_binary(source.path) as raw:
+            for index, line in enumerate(io.BufferedReader(raw, _READ_BLOCK)):  # type: ignore[arg-type]
+                if line.strip():
+                    yield index
+    else:
+        for ordinal, _ in source.documents(options):
+            yield ordinal
