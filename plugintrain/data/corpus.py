@@ -19,7 +19,8 @@ never being produced from text, marks every boundary). ``meta.json`` records bot
 
 **Held-out split.** A document is held out by a hash of ``(seed, its source's label, its
 ordinal)``: with ``val_fraction``, when the hash falls below it; with ``val_docs``, when it
-is among the ``val_docs`` smallest over the whole input (every task ranks the same keys).
+is among the ``val_docs`` smallest over every document with text in the whole input (every
+task ranks the same keys, reading the input once before tokenizing).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,17 +150,19 @@ class HeldOut:
         """The largest key among the ``val_docs`` smallest over every source's documents."""
         wanted = options.val_docs or 0
         smallest: list[float] = []  # a max-heap of negated keys
+        total = 0
         for source in sources:
             for ordinal in document_ordinals(source, options.read):
+                total += 1
                 key = -self.key(source.label, ordinal)
                 if len(smallest) < wanted:
                     heapq.heappush(smallest, key)
                 elif key > smallest[0]:
                     heapq.heapreplace(smallest, key)
-        if len(smallest) < wanted:
+        if total <= wanted:
             raise CorpusError(
-                f"--val_docs {wanted}: the input holds only {len(smallest)} documents; hold out"
-                " fewer"
+                f"--val_docs {wanted}: the input holds {total} documents with text; hold out"
+                f" fewer (at most {max(total - 1, 0)}, so that one is left to train on)"
             )
         return -smallest[0] if smallest else -1.0
 
@@ -202,7 +207,11 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     tail = np.array([eos], dtype=np.uint32)
     pieces, lengths = [], np.zeros(len(texts), dtype=np.int64)
     for i, text in enumerate(texts):
-        ids = tokenizer.encode_array(text)
+        try:
+            ids = tokenizer.encode_array(text)
+        except UnicodeEncodeError:  # lone surrogates (JSON "\\ud800"): U+FFFD, as tiktoken
+            text = texts[i] = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            ids = tokenizer.encode_array(text)
         pieces += [head, ids, tail]
         lengths[i] = len(head) + len(ids) + 1
     sizes = np.array([len(t.encode("utf-8", "surrogatepass")) for t in texts], dtype=np.int64)
@@ -211,38 +220,59 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class _Encoder:
-    """Ordered encoding of batches: in this process, or in a pool with a bounded window."""
+    """Ordered encoding of batches: in this process, or in a pool with a bounded window.
+
+    The pool is a ``ProcessPoolExecutor``: a tokenizer process that dies (killed, out of
+    memory) fails the run at once (``BrokenProcessPool``) instead of leaving it waiting.
+    """
 
     def __init__(self, options: PrepareOptions, bounds: _Boundaries, num_proc: int) -> None:
         args = (options.tokenizer, bounds.bos_id if bounds.add_bos else None, bounds.eos_id)
-        self.pool = None
+        self.pool: ProcessPoolExecutor | None = None
         if num_proc > 1:
-            context = multiprocessing.get_context("spawn")  # never fork a threaded process
-            self.pool = context.Pool(num_proc, initializer=_init_worker, initargs=args)
+            self.pool = ProcessPoolExecutor(
+                num_proc,
+                mp_context=multiprocessing.get_context("spawn"),  # never fork a threaded one
+                initializer=_init_worker,
+                initargs=args,
+            )
         else:
             _init_worker(*args)
         self.window = 2 * max(num_proc, 1)
 
-    def map(self, batches: Iterator[Any]) -> Iterator[tuple[Any, tuple[np.ndarray, np.ndarray]]]:
+    def map(self, batches: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
         """``(tag, encoded)`` for each ``(tag, texts)``, in order."""
         if self.pool is None:
             for tag, texts in batches:
                 yield tag, _encode(texts)
             return
         pending: deque = deque()
-        for tag, texts in batches:
-            pending.append((tag, self.pool.apply_async(_encode, (texts,))))
-            if len(pending) >= self.window:
+        try:
+            for tag, texts in batches:
+                pending.append((tag, self.pool.submit(_encode, texts)))
+                if len(pending) >= self.window:
+                    tag0, result = pending.popleft()
+                    yield tag0, result.result()
+            while pending:
                 tag0, result = pending.popleft()
-                yield tag0, result.get()
-        while pending:
-            tag0, result = pending.popleft()
-            yield tag0, result.get()
+                yield tag0, result.result()
+        except BrokenProcessPool:
+            raise RuntimeError(
+                "a tokenizer process died (killed, or out of memory?); the finished groups are"
+                " kept: rerun the same command to go on, with a smaller --num_proc if memory"
+                " ran out"
+            ) from None
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+    def close(self, abort: bool) -> None:
+        """Stop the pool: at once when aborting (a batch in progress is not waited for)."""
+        if self.pool is None:
+            return
+        processes = list((getattr(self.pool, "_processes", None) or {}).values())
+        self.pool.shutdown(wait=not abort, cancel_futures=True)
+        if abort:
+            for process in processes:
+                process.terminate()
+                process.join(5)
 
 
 # -- shards ---------------------------------------------------------------------------
@@ -337,44 +367,51 @@ def prepare_text(
             told up front; a problem found mid-run removes what this run wrote).
         FileExistsError: If ``out`` holds data prepared with other settings.
     """
+    _check_numbers(options, num_tasks, task_index)
+    out = Path(out)
+    sources = expand_inputs(inputs, suffixes, exclude=out)
+    bounds = _Boundaries(options)
+    groups = task_groups(make_groups(sources, options.shard_tokens), num_tasks, task_index)
+    settings = _settings(options, sources, num_tasks, task_index)
+    held_out = HeldOut(options, sources)  # every up-front check before anything is touched
+    fresh, existed = _check_out(out, settings, overwrite), out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob(f"*{PARTIAL_SUFFIX}"), *out.glob(f"progress/*{PARTIAL_SUFFIX}")]:
+        stale.unlink()  # a killed run's unfinished files
+    try:
+        records = _run_groups(out, settings, groups, options, bounds, held_out, num_proc, progress)
+        meta = _meta(options, bounds, settings, records, command)
+        if num_tasks == 1 and meta["splits"]["train"]["tokens"] == 0:
+            raise CorpusError(f"{' '.join(inputs)}: no document with text to train on")
+    except Exception as error:
+        _clean_up(out, fresh and isinstance(error, CorpusError), remove=not existed)
+        raise
+    write_token_bytes(out, get_tokenizer(options.tokenizer).token_bytes())
+    _write_json(out / "meta.json", meta)
+    if num_tasks == 1 and not meta["splits"]["val"]["documents"]:
+        sys.stderr.write(
+            f"prepare text: no document was held out, so {out} has no validation split;"
+            " rerun with --val_docs N (and --overwrite) to hold some out\n"
+        )
+    return meta
+
+
+def _check_numbers(options: PrepareOptions, num_tasks: int, task_index: int) -> None:
+    """The options that are wrong whatever the input."""
     if not 0 <= task_index < num_tasks:
         raise CorpusError(
             f"--task_index {task_index}: must be in [0, {num_tasks}) for --num_tasks {num_tasks}"
         )
     if not 0 <= options.val_fraction < 1:
         raise CorpusError(f"--val_fraction {options.val_fraction}: must be in [0, 1)")
-    if options.shard_tokens < 1:
-        raise CorpusError(f"--shard_tokens {options.shard_tokens}: must be >= 1")
-    out = Path(out)
-    sources = expand_inputs(inputs, suffixes)
-    bounds = _Boundaries(options)
-    groups = task_groups(make_groups(sources, options.shard_tokens), num_tasks, task_index)
-    settings = _settings(options, sources, num_tasks, task_index)
-    _check_out(out, settings, overwrite)
-    held_out = HeldOut(options, sources)
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(f"*{PARTIAL_SUFFIX}"):
-        stale.unlink()  # a killed run's unfinished shards
-    try:
-        records = _run_groups(out, settings, groups, options, bounds, held_out, num_proc, progress)
-        meta = _meta(options, bounds, settings, records, command)
-        if num_tasks == 1 and meta["splits"]["train"]["tokens"] == 0:
-            raise CorpusError(
-                f"{' '.join(inputs)}: no document with text to train on"
-                + (
-                    " (all were held out; lower --val_fraction or --val_docs)"
-                    if meta["splits"]["val"]["documents"]
-                    else ""
-                )
-            )
-    except CorpusError:
-        _remove_this_run(out, created)
-        raise
-    tokenizer = get_tokenizer(options.tokenizer)
-    write_token_bytes(out, tokenizer.token_bytes())
-    _write_json(out / "meta.json", meta)
-    return meta
+    # A shard closes after the document that fills it, and llm.c counts tokens in int32.
+    largest = 2**31 - 1 - options.read.max_doc_bytes - 2
+    if not 1 <= options.shard_tokens <= largest:
+        raise CorpusError(
+            f"--shard_tokens {options.shard_tokens}: must be in [1, {largest}] (a shard's"
+            " token count is an int32, and its last document may run past --shard_tokens by"
+            " up to --max_doc_bytes)"
+        )
 
 
 def _settings(
@@ -394,28 +431,43 @@ def _settings(
     }
 
 
-def _check_out(out: Path, settings: dict[str, Any], overwrite: bool) -> None:
+def _check_out(out: Path, settings: dict[str, Any], overwrite: bool) -> bool:
+    """Whether ``out`` holds nothing to keep (absent, empty, or a run with no finished
+    group); refuse a folder of other settings unless ``overwrite`` (which clears it).
+
+    Raises:
+        FileExistsError: If ``out`` holds other files, or text prepared otherwise.
+    """
     meta = _read_json(out / "meta.json")
     recorded = _read_json(out / "progress" / "settings.json") or (meta or {}).get("settings")
-    if recorded is None:
-        if out.is_dir() and any(out.iterdir()) and not overwrite:
-            raise FileExistsError(
-                f"{out} is not empty and holds no prepared text; choose another --out or add"
-                " --overwrite to write into it"
-            )
-        return
-    if recorded != settings and not overwrite:
+    if not out.is_dir() or not any(out.iterdir()):
+        return True
+    if recorded is None and not overwrite:
+        raise FileExistsError(
+            f"{out} is not empty and holds no prepared text; choose another --out or add"
+            " --overwrite to write into it"
+        )
+    finished = meta is not None or any((out / "progress").glob("group_*.json"))
+    if recorded is not None and recorded != settings and finished and not overwrite:
         changed = sorted(k for k in settings if recorded.get(k) != settings[k])
         raise FileExistsError(
             f"{out} holds text prepared with other settings ({', '.join(changed)} differ);"
             " add --overwrite to rebuild it, or choose another --out"
         )
-    if recorded != settings:  # --overwrite: the old shards go with their records
-        shutil.rmtree(out / "progress", ignore_errors=True)
-        (out / "meta.json").unlink(missing_ok=True)
-        for split in SPLITS:
-            for shard in out.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9][0-9].bin"):
-                shard.unlink()
+    if recorded is not None and recorded != settings:  # the old shards go with their records
+        _clear(out)
+        return True
+    return not finished
+
+
+def _clear(out: Path) -> None:
+    """Remove what ``prepare text`` writes in ``out`` (and nothing else)."""
+    shutil.rmtree(out / "progress", ignore_errors=True)
+    for name in ("meta.json", "token_bytes.npy"):
+        (out / name).unlink(missing_ok=True)
+    for split in SPLITS:
+        for shard in out.glob(f"{split}_[0-9][0-9][0-9][0-9][0-9][0-9].bin"):
+            shard.unlink()
 
 
 def _run_groups(
@@ -446,9 +498,12 @@ def _run_groups(
     meter = _Meter(progress)
     try:
         records += _tokenize(out, todo, options, bounds, held_out, encoder, first, meter)
+    except BaseException:
+        encoder.close(abort=True)
+        raise
     finally:
-        encoder.close()
         meter.finish()
+    encoder.close(abort=False)
     return records
 
 
@@ -526,13 +581,16 @@ def _shards_intact(out: Path, record: dict[str, Any]) -> bool:
     )
 
 
-def _remove_this_run(out: Path, created: bool) -> None:
-    """After bad input: nothing of this run left (the folder gone, if this run made it)."""
-    if created:
-        shutil.rmtree(out, ignore_errors=True)
-        return
-    for path in out.glob(f"*{PARTIAL_SUFFIX}"):
-        path.unlink()
+def _clean_up(out: Path, bad_input_in_fresh: bool, remove: bool) -> None:
+    """After an error: no unfinished file left; after bad input into a folder that held
+    nothing to keep, nothing of this run either (the folder too if this run made it). An
+    interrupted or crashed run keeps its finished groups, to resume."""
+    for path in [*out.glob(f"*{PARTIAL_SUFFIX}"), *out.glob(f"progress/*{PARTIAL_SUFFIX}")]:
+        path.unlink(missing_ok=True)
+    if bad_input_in_fresh:
+        _clear(out)
+        if remove and not any(out.iterdir()):
+            out.rmdir()
 
 
 def _meta(
@@ -586,6 +644,12 @@ def merge(task_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
         metas.append((Path(directory), meta))
     metas.sort(key=lambda item: item[1]["settings"]["task"]["index"])
     _check_tasks(metas)
+    for directory, _ in metas:
+        if directory.resolve() == out.resolve():
+            raise CorpusError(
+                f"--out {out}: is one of the tasks' folders; merge into a folder of its own"
+                " (e.g. their parent)"
+            )
     merged = dict(metas[0][1])
     merged["settings"] = {**merged["settings"], "task": {"index": 0, "of": 1}}
     merged["groups"] = [g for _, meta in metas for g in meta["groups"]]
@@ -605,6 +669,8 @@ def merge(task_dirs: list[str | Path], out: str | Path) -> dict[str, Any]:
         }
     merged["splits"] = splits
     merged["merged_from"] = [str(d) for d, _ in metas]
+    merged["command"] = None  # the shards come from the tasks' commands:
+    merged["task_commands"] = [meta["command"] for _, meta in metas]
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(metas[0][0] / "token_bytes.npy", out / "token_bytes.npy")
     _write_json(out / "meta.json", merged)

@@ -1,10 +1,16 @@
 """Several prepared folders blended by weight (Megatron's and torchtitan's blended data).
 
-An epoch of a mixture has as many samples as its sources have windows together; source
-``k`` gives ``round(weight_k * N)`` of them (largest remainders), spread evenly through the
-epoch (the ``i``-th of its ``m`` samples sits at ``(i + 1/2) / m`` of the way). Each source
-is read as an endless stream of its windows, one seeded permutation per pass, so a source
+An epoch of a mixture has as many samples as its sources have windows together (N);
+source ``k`` gives ``m_k`` of them, its weight's share (largest remainders), spread evenly
+through the epoch: the ``i``-th of its samples has the key ``(i + 1/2) / m_k`` and the
+epoch is every source's samples in key order (ties: the lower source first). Each source is
+read as an endless stream of its windows, one seeded permutation per pass, so a source
 weighted above its size is repeated and one below it is subsampled, never twice in a pass.
+
+Nothing here grows with the data: which source the ``j``-th sample comes from, and how many
+of each source precede it, are computed from the counts alone (a binary search over each
+source's keys, exact in integers), and a permutation maps an index to its window through
+a seeded Feistel network (`IndexPermutation`), never as a table.
 
 The state that makes a resume exact is where each source's stream stood at the start of an
 epoch (``base``): with unchanged weights, epoch ``e`` starts source ``k`` at
@@ -15,33 +21,125 @@ Other sources, or a source whose windows changed, are refused.
 
 from __future__ import annotations
 
-import functools
+import hashlib
+import math
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import Any
 
-import numpy as np
 from torch.utils.data import Dataset
 
 
-def apportion(weights: Sequence[float], total: int) -> np.ndarray:
-    """Integer shares of ``total`` proportional to ``weights`` (largest remainders), each
-    at least 1."""
-    w = np.asarray(weights, dtype=np.float64)
-    exact = w / w.sum() * total
-    counts = np.maximum(np.floor(exact).astype(np.int64), 1)
-    order = np.argsort(-(exact - np.floor(exact)), kind="stable")
-    for k in order[: max(total - int(counts.sum()), 0)]:
+def apportion(weights: Sequence[float], total: int) -> list[int]:
+    """Integer shares of ``total`` proportional to ``weights`` (largest remainders)."""
+    w = [float(x) for x in weights]
+    if not all(math.isfinite(x) and x > 0 for x in w):
+        raise ValueError(f"mixture weights must be finite numbers > 0, got {list(weights)}")
+    exact = [x / sum(w) * total for x in w]
+    counts = [math.floor(e) for e in exact]
+    order = sorted(range(len(w)), key=lambda k: (-(exact[k] - counts[k]), k))
+    for k in order[: total - sum(counts)]:
         counts[k] += 1
     return counts
 
 
-def interleave(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each sample's source and its rank within that source, spread evenly."""
-    keys = np.concatenate([(np.arange(m) + 0.5) / m for m in counts])
-    sources = np.concatenate([np.full(m, k, dtype=np.int32) for k, m in enumerate(counts)])
-    ranks = np.concatenate([np.arange(m, dtype=np.int64) for m in counts])
-    order = np.lexsort((sources, keys))
-    return sources[order], ranks[order]
+class Interleave:
+    """The evenly spread order of ``counts[k]`` samples of each source, by index.
+
+    Args:
+        counts: Samples of each source in one epoch.
+    """
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts = [int(m) for m in counts]
+        self.total = sum(self.counts)
+
+    def _at_most(self, k: int, p: int, q: int) -> int:
+        """Samples of source ``k`` whose key ``(2i + 1) / (2 m_k)`` is <= ``p / q``."""
+        m = self.counts[k]
+        if m == 0:
+            return 0
+        # (2i + 1) q <= 2 m p  <=>  i <= (2 m p - q) / (2 q)
+        top = (2 * m * p - q) // (2 * q)
+        return max(0, min(m, top + 1))
+
+    def _below(self, j: int) -> tuple[tuple[int, int] | None, list[int]]:
+        """The largest key ``p/q`` with at most ``j`` samples at or below it, and those
+        samples' counts per source (None and zeros when even the first key has more)."""
+        best: tuple[int, int] | None = None
+        for m in self.counts:
+            lo, hi = 0, m - 1  # the largest i whose key keeps the count <= j
+            found = -1
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                key = (2 * mid + 1, 2 * m)
+                if sum(self._at_most(s, *key) for s in range(len(self.counts))) <= j:
+                    found, lo = mid, mid + 1
+                else:
+                    hi = mid - 1
+            if found >= 0:
+                key = (2 * found + 1, 2 * m)
+                if best is None or key[0] * best[1] > best[0] * key[1]:
+                    best = key
+        if best is None:
+            return None, [0] * len(self.counts)
+        return best, [self._at_most(k, *best) for k in range(len(self.counts))]
+
+    def counts_before(self, j: int) -> list[int]:
+        """How many samples of each source are among the first ``j`` of the epoch."""
+        if j >= self.total:
+            return list(self.counts)
+        _, counts = self._below(j)
+        left = j - sum(counts)
+        if left:  # the next key is shared by several sources: the lower ones come first
+            nxt = [
+                Fraction(2 * c + 1, 2 * m) if c < m else None
+                for c, m in zip(counts, self.counts, strict=True)
+            ]
+            smallest = min(n for n in nxt if n is not None)
+            for k, n in enumerate(nxt):
+                if left and n == smallest:
+                    counts[k] += 1
+                    left -= 1
+        return counts
+
+    def locate(self, j: int) -> tuple[int, int]:
+        """Source of the ``j``-th sample and how many of that source's samples precede it."""
+        before, after = self.counts_before(j), self.counts_before(j + 1)
+        k = next(k for k in range(len(before)) if after[k] > before[k])
+        return k, before[k]
+
+
+class IndexPermutation:
+    """A seeded permutation of ``range(size)`` evaluated one index at a time.
+
+    A balanced Feistel network over the smallest even power of two >= ``size`` (four rounds
+    of a keyed blake2b), walked until it lands inside the range: a bijection that needs no
+    table, so a source of a billion windows costs nothing to shuffle.
+    """
+
+    def __init__(self, size: int, *seed: int) -> None:
+        self.size = size
+        self.half = max(1, (max(size - 1, 1).bit_length() + 1) // 2)
+        self.key = hashlib.blake2b(repr(seed).encode(), digest_size=16).digest()
+
+    def _round(self, r: int, value: int) -> int:
+        digest = hashlib.blake2b(
+            value.to_bytes(8, "little"), key=self.key, digest_size=8, salt=bytes([r]) * 16
+        )
+        return int.from_bytes(digest.digest(), "little") & ((1 << self.half) - 1)
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < self.size:
+            raise IndexError(index)
+        mask, x = (1 << self.half) - 1, index
+        while True:
+            left, right = x >> self.half, x & mask
+            for r in range(4):
+                left, right = right, left ^ self._round(r, right)
+            x = (left << self.half) | right
+            if x < self.size:
+                return x
 
 
 class MixtureWindows(Dataset):
@@ -71,14 +169,15 @@ class MixtureWindows(Dataset):
         self.names = list(names)
         self.seed, self.shuffle = seed, shuffle
         self.total = sum(self.sizes)
-        self.base = np.zeros(len(self.sources), dtype=np.int64)
+        self.base = [0] * len(self.sources)
         self.base_epoch = 0
+        self._passes: dict[int, tuple[int, IndexPermutation]] = {}
         self.reweight(weights)
 
     def reweight(self, weights: Sequence[float]) -> None:
         self.weights = [float(w) for w in weights]
         self.counts = apportion(self.weights, self.total)
-        self.source_of, self.rank_of = interleave(self.counts)
+        self.order = Interleave(self.counts)
 
     def __len__(self) -> int:
         return self.total
@@ -86,32 +185,37 @@ class MixtureWindows(Dataset):
     def locate(self, sample: int) -> tuple[int, int]:
         """Source of global sample ``sample`` and its place in that source's stream."""
         epoch, j = divmod(sample, self.total)
-        k = int(self.source_of[j])
-        n = self.base[k] + (epoch - self.base_epoch) * self.counts[k] + self.rank_of[j]
-        return k, int(n)
+        k, rank = self.order.locate(j)
+        return k, self.base[k] + (epoch - self.base_epoch) * self.counts[k] + rank
 
     def __getitem__(self, sample: int) -> Any:
         k, n = self.locate(sample)
         passes, r = divmod(n, self.sizes[k])
-        return self.sources[k][int(self._permutation(k, passes)[r])]
+        return self.sources[k][self._permutation(k, passes, r)]
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019 (a dataset lives as long as its run)
-    def _permutation(self, k: int, passes: int) -> np.ndarray:
+    def _permutation(self, k: int, passes: int, r: int) -> int:
         if not self.shuffle:
-            return np.arange(self.sizes[k])
-        return np.random.default_rng([self.seed, k, passes]).permutation(self.sizes[k])
+            return r
+        cached = self._passes.get(k)
+        if cached is None or cached[0] != passes:  # one pass per source kept
+            cached = (passes, IndexPermutation(self.sizes[k], self.seed, k, passes))
+            self._passes[k] = cached
+        return cached[1][r]
 
-    def consumed(self, epoch: int, position: int) -> np.ndarray:
+    def consumed(self, epoch: int, position: int) -> list[int]:
         """How far each source's stream is after ``position`` samples of ``epoch``."""
-        before = np.bincount(self.source_of[:position], minlength=len(self.sources))
-        return self.base + (epoch - self.base_epoch) * self.counts + before
+        before = self.order.counts_before(position)
+        return [
+            b + (epoch - self.base_epoch) * m + c
+            for b, m, c in zip(self.base, self.counts, before, strict=True)
+        ]
 
     def state(self, epoch: int, position: int) -> dict[str, Any]:
         """What a checkpoint records of the mixture at ``position`` of ``epoch``."""
         return {
             "sources": [[n, s] for n, s in zip(self.names, self.sizes, strict=True)],
             "weights": self.weights,
-            "consumed": self.consumed(epoch, position).tolist(),
+            "consumed": self.consumed(epoch, position),
         }
 
     def resume(self, saved: dict[str, Any], epoch: int, position: int) -> None:
@@ -128,6 +232,6 @@ class MixtureWindows(Dataset):
                 f" windows), this run {mine}; resume with the same folders and seq_len (only"
                 " the weights may change)"
             )
-        before = np.bincount(self.source_of[:position], minlength=len(self.sources))
-        self.base = np.asarray(saved["consumed"], dtype=np.int64) - before
+        before = self.order.counts_before(position)
+        self.base = [int(c) - b for c, b in zip(saved["consumed"], before, strict=True)]
         self.base_epoch = epoch

@@ -3,6 +3,7 @@ and cut into each split's windows."""
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,14 @@ class PreparedFolders:
                     f" the model a vocab_size of at least {meta['vocab_size']}"
                 )
             if is_text_shards(meta):
-                cache = cache_root() / "verified-shards.json" if verify else None
+                if not meta["splits"]["val"]["shards"]:
+                    raise ValueError(
+                        f"{folder} holds no held-out documents (its meta.json), so there is"
+                        " nothing to validate on; prepare it again with --val_docs N"
+                        " --overwrite"
+                    )
                 if verify:
-                    verify_shards(folder, meta, cache)
+                    verify_shards(folder, meta, cache_root() / "verified-shards.json")
                 continue
             for name in (self.train_file, self.val_file):
                 if not (folder / name).is_file():
@@ -143,7 +149,8 @@ def mixture_entries(mix: list[dict[str, Any]] | None) -> list[tuple[Path, float]
                 f"mix[{i}] = {entry!r}: each entry is {{path: FOLDER, weight: NUMBER}}"
             )
         weight = entry["weight"]
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+        number = isinstance(weight, int | float) and not isinstance(weight, bool)
+        if not number or not math.isfinite(weight) or not weight > 0:
             raise ValueError(
                 f"mix[{i}].weight = {weight!r} ({entry['path']}): weights must be numbers > 0;"
                 " give it a positive weight or drop the entry"

@@ -90,11 +90,7 @@ class Source:
                 continue
             size = len(text.encode("utf-8", "surrogatepass"))
             if size > options.max_doc_bytes:
-                raise CorpusError(
-                    f"{self.where(ordinal)}: a document of {size} bytes, over --max_doc_bytes="
-                    f"{options.max_doc_bytes}; split the file with --separator or raise"
-                    " --max_doc_bytes"
-                )
+                raise CorpusError(_too_long(self, ordinal, str(size), options))
             yield ordinal, text
 
     def where(self, ordinal: int) -> str:
@@ -107,30 +103,47 @@ class Source:
         return f"{name} (record {ordinal + 1})"
 
 
-def expand_inputs(inputs: list[str], suffixes: tuple[str, ...] = ()) -> list[Source]:
+def expand_inputs(
+    inputs: list[str], suffixes: tuple[str, ...] = (), exclude: Path | None = None
+) -> list[Source]:
     """The sources that ``inputs`` name, in order: each INPUT's files sorted by path.
 
     Args:
         inputs: Files, folders (walked for the known suffixes and ``suffixes``), globs
             (``**`` recurses), ``save_to_disk`` directories, or ``hf:NAME`` hub datasets.
         suffixes: More suffixes a folder walk reads as plain text (``.py``, ``.rst``).
+        exclude: A folder never read (the output, when it lies inside an INPUT).
 
     Raises:
         CorpusError: For a path that does not exist, a glob or folder that matches no
-            file, or a file of a format that cannot be told from its name.
+            file, or a file named twice.
     """
     if not inputs:
         raise CorpusError("no INPUT given; name files, folders, globs or hf:NAME to read")
+    extra = tuple(s if s.startswith(".") else f".{s}" for s in suffixes)
+    skip = exclude.resolve() if exclude is not None else None
     sources: list[Source] = []
     for spec in inputs:
-        found = _expand_one(spec, tuple(s if s.startswith(".") else f".{s}" for s in suffixes))
+        found = _expand_one(spec, extra, skip)
         if not found:
             raise CorpusError(f"{spec}: matches no file to read; {_KNOWN}")
         sources.extend(found)
-    labels = [s.label for s in sources]
-    if len(set(labels)) != len(labels):
-        twice = sorted({label for label in labels if labels.count(label) > 1})
-        raise CorpusError(f"{twice[0]}: named twice by the INPUTs; name each file once")
+    seen: dict[str, Source] = {}
+    for source in sources:
+        if source.label in seen:
+            first = seen[source.label]
+            same = first.path is not None and source.path is not None
+            same = same and first.path.resolve() == source.path.resolve()  # type: ignore[union-attr]
+            raise CorpusError(
+                f"{source.label}: named twice by the INPUTs"
+                + (
+                    "; name each file once"
+                    if same
+                    else f" ({first.path} and {source.path}); give their common parent folder"
+                    " as the INPUT instead"
+                )
+            )
+        seen[source.label] = source
     return sources
 
 
@@ -140,28 +153,57 @@ _KNOWN = (
 )
 
 
-def _expand_one(spec: str, extra: tuple[str, ...]) -> list[Source]:
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def _expand_one(spec: str, extra: tuple[str, ...], skip: Path | None) -> list[Source]:
     if spec.startswith(HUB_PREFIX):
         return [Source(spec, None, "hub", 0)]
     if glob.has_magic(spec):
-        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         root = Path(_glob_root(spec))
-        return [_file_source(p, p.relative_to(root).as_posix(), extra, named=True) for p in paths]
+        paths = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        paths = [p for p in paths if skip is None or skip not in p.resolve().parents]
+        label = root.resolve().name
+        return [
+            _file_source(p, f"{label}/{p.relative_to(root).as_posix()}", extra, named=True)
+            for p in paths
+        ]
     path = Path(spec)
     if not path.exists():
         raise CorpusError(f"{spec}: no such file or directory")
-    if path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
-        return [Source(path.name, path, "arrow_dir", _tree_size(path))]
+    if path.is_dir() and _is_saved_dataset(path):
+        return [Source(path.resolve().name, path, "arrow_dir", _tree_size(path))]
     if path.is_dir():
-        walked = []
-        for dirpath, dirnames, filenames in os.walk(path):
-            dirnames.sort()
-            for name in sorted(filenames):
-                if _kind(name, extra) is not None and not name.startswith("."):
-                    walked.append(Path(dirpath) / name)
-        files = sorted(walked, key=lambda p: p.relative_to(path).as_posix())
-        return [_file_source(p, p.relative_to(path).as_posix(), extra, named=False) for p in files]
+        return _walk(path, extra, skip)
     return [_file_source(path, path.name, extra, named=True)]
+
+
+def _walk(root: Path, extra: tuple[str, ...], skip: Path | None) -> list[Source]:
+    """A folder's files of known kinds, and the ``save_to_disk`` folders in it, by path."""
+    found: list[tuple[str, Source]] = []
+    label = root.resolve().name
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        kept = []
+        for name in sorted(dirnames):
+            sub = here / name
+            if name.startswith(".") or (skip is not None and sub.resolve() == skip):
+                continue
+            if _is_saved_dataset(sub):
+                relative = sub.relative_to(root).as_posix()
+                found.append(
+                    (relative, Source(f"{label}/{relative}", sub, "arrow_dir", _tree_size(sub)))
+                )
+            else:
+                kept.append(name)
+        dirnames[:] = kept
+        for name in sorted(filenames):
+            if _kind(name, extra) is not None and not name.startswith("."):
+                relative = (here / name).relative_to(root).as_posix()
+                source = _file_source(here / name, f"{label}/{relative}", extra, named=False)
+                found.append((relative, source))
+    return [source for _, source in sorted(found, key=lambda item: item[0])]
 
 
 def _glob_root(spec: str) -> str:
@@ -206,9 +248,55 @@ def _open_binary(path: Path) -> IO[bytes]:
     if name.endswith(".gz"):
         return gzip.open(path, "rb")
     if name.endswith(".zst"):
-        zstandard = _optional("zstandard", path)
-        return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+        return io.BufferedReader(_ZstdReader(path), _READ_BLOCK)
     return open(path, "rb")
+
+
+class _ZstdReader(io.RawIOBase):
+    """A ``.zst`` file's decompressed bytes, frame after frame; a file cut short inside a
+    frame is an error, not an end."""
+
+    def __init__(self, path: Path) -> None:
+        self._zstd = _optional("zstandard", path)
+        self.path = path
+        self._file = open(path, "rb")  # noqa: SIM115 (closed by close())
+        self._frame = self._zstd.ZstdDecompressor().decompressobj()
+        self._fed = False  # whether the current frame has been given any input
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def _feed(self, compressed: bytes) -> None:
+        try:
+            self._pending = self._frame.decompress(compressed)
+        except self._zstd.ZstdError as error:
+            raise CorpusError(f"{self.path}: not a whole zstd file ({error})") from None
+        self._fed = True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            if self._fed and self._frame.eof:  # the next frame, if any
+                rest = self._frame.unused_data
+                self._frame = self._zstd.ZstdDecompressor().decompressobj()
+                self._fed = False
+                if rest:
+                    self._feed(rest)
+                continue
+            compressed = self._file.read(_READ_BLOCK)
+            if not compressed:
+                if self._fed:
+                    raise CorpusError(f"{self.path}: the zstd stream ends early (cut short?)")
+                return 0
+            self._feed(compressed)
+        size = min(len(buffer), len(self._pending))
+        buffer[:size] = self._pending[:size]
+        self._pending = self._pending[size:]
+        return size
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _optional(module: str, path: Path | str) -> Any:
@@ -228,20 +316,35 @@ def _decoded_blocks(source: Source, options: ReadOptions) -> Iterator[str]:
     """The text of a file in blocks; a byte that is not UTF-8 is named by its offset."""
     assert source.path is not None
     decoder = codecs.getincrementaldecoder("utf-8")(options.errors)
-    offset = 0
+    offset = 0  # bytes read; the decoder may still hold the start of a character
+
+    def where(error: UnicodeDecodeError) -> str:
+        return _not_utf8(source.path, offset - held + error.start)  # type: ignore[arg-type]
+
     try:
         with _open_binary(source.path) as stream:
             while block := stream.read(_READ_BLOCK):
+                held = len(decoder.getstate()[0])
                 try:
                     yield decoder.decode(block)
                 except UnicodeDecodeError as error:
-                    raise CorpusError(_not_utf8(source.path, offset + error.start)) from None
+                    raise CorpusError(where(error)) from None
                 offset += len(block)
-            yield decoder.decode(b"", final=True)
-    except UnicodeDecodeError as error:
-        raise CorpusError(_not_utf8(source.path, offset + error.start)) from None
+            held = len(decoder.getstate()[0])
+            try:
+                yield decoder.decode(b"", final=True)
+            except UnicodeDecodeError as error:  # a character cut off by the end
+                raise CorpusError(where(error)) from None
     except (OSError, EOFError) as error:
         raise CorpusError(f"{source.path}: cannot read it ({error})") from None
+
+
+def _too_long(source: Source, ordinal: int, size: str, options: ReadOptions) -> str:
+    split = "split the file with --separator or " if source.kind == "text" else ""
+    return (
+        f"{source.where(ordinal)}: a document of {size} bytes, over --max_doc_bytes="
+        f"{options.max_doc_bytes}; {split}raise --max_doc_bytes"
+    )
 
 
 def _not_utf8(path: Path, offset: int) -> str:
@@ -254,8 +357,14 @@ def _not_utf8(path: Path, offset: int) -> str:
 def _text_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
     """One document per file, or the pieces between separators (streamed)."""
     separator = options.separator
-    if not separator:
-        yield 0, "".join(_decoded_blocks(source, options))
+    if not separator:  # held whole, so refused as soon as it is surely too long
+        blocks, chars = [], 0
+        for block in _decoded_blocks(source, options):
+            blocks.append(block)
+            chars += len(block)
+            if chars > options.max_doc_bytes:
+                raise CorpusError(_too_long(source, 0, f"over {chars}", options))
+        yield 0, "".join(blocks)
         return
     pending, ordinal = "", 0
     for block in _decoded_blocks(source, options):
@@ -270,23 +379,24 @@ def _text_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int,
 
 
 def _jsonl_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
-    """One document per non-empty line; the ordinal is the line's index."""
+    """One document per non-empty line; the ordinal is the line's index. A line is read
+    up to a bound (JSON may escape each byte of text in up to 6), never held unbounded."""
     assert source.path is not None
+    limit = 6 * options.max_doc_bytes + 1024
     try:
         with _open_binary(source.path) as raw:
-            offset = 0
-            for index, line in enumerate(io.BufferedReader(raw, _READ_BLOCK)):  # type: ignore[arg-type]
+            stream = io.BufferedReader(raw, _READ_BLOCK)  # type: ignore[arg-type]
+            offset, index = 0, 0
+            while line := stream.readline(limit):
+                if len(line) == limit and not line.endswith(b"\n"):
+                    raise CorpusError(_too_long(source, index, f"over {limit}", options))
+                if index == 0:
+                    line = line.removeprefix(b"\xef\xbb\xbf")  # a byte order mark
                 if line.strip():
-                    yield (
-                        index,
-                        _record_text(
-                            source,
-                            index,
-                            _parse_line(source, line, index, offset, options),
-                            options,
-                        ),
-                    )
+                    record = _parse_line(source, line, index, offset, options)
+                    yield index, _record_text(source, index, record, options)
                 offset += len(line)
+                index += 1
     except (OSError, EOFError) as error:
         raise CorpusError(f"{source.path}: cannot read it ({error})") from None
 
@@ -302,9 +412,13 @@ def _parse_line(source: Source, line: bytes, index: int, offset: int, options: R
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
+        shape = (
+            "a .json file must be one JSON array of objects, or one JSON object a line"
+            if source.kind == "json"
+            else "each line of a .jsonl file must be one JSON object"
+        )
         raise CorpusError(
-            f"{source.path}:{index + 1}: not JSON ({error.msg} at column {error.colno}); each"
-            " line of a .jsonl file must be one JSON object"
+            f"{source.path}:{index + 1}: not JSON ({error.msg} at column {error.colno}); {shape}"
         ) from None
 
 
@@ -326,18 +440,26 @@ def _record_text(source: Source, ordinal: int, record: Any, options: ReadOptions
 
 
 def _json_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
-    """A ``.json`` file: an array of objects (read whole), or JSON lines under that name."""
+    """A ``.json`` file: an array of objects (read whole, so no larger than
+    ``--max_doc_bytes``), or JSON lines under that name."""
     assert source.path is not None
     with _open_binary(source.path) as stream:
-        head = stream.read(_READ_BLOCK).lstrip()
+        head = stream.read(_READ_BLOCK).removeprefix(b"\xef\xbb\xbf").lstrip()
     if not head.startswith(b"["):
-        yield from _jsonl_documents(
-            Source(source.label, source.path, "jsonl", source.size), options
-        )
+        yield from _jsonl_documents(source, options)
         return
-    text = "".join(_decoded_blocks(source, options))
+    blocks, chars = [], 0
+    for block in _decoded_blocks(source, options):
+        blocks.append(block)
+        chars += len(block)
+        if chars > options.max_doc_bytes:
+            raise CorpusError(
+                f"{source.path}: a JSON array is read whole and this one is over"
+                f" --max_doc_bytes={options.max_doc_bytes}; write it as JSON lines (.jsonl,"
+                " which is streamed) or raise --max_doc_bytes"
+            )
     try:
-        records = json.loads(text)
+        records = json.loads("".join(blocks).removeprefix("\ufeff"))
     except json.JSONDecodeError as error:
         raise CorpusError(
             f"{source.path}:{error.lineno}: not JSON ({error.msg} at column {error.colno})"
@@ -388,15 +510,26 @@ def _column_rows(
             " column with --text_field"
         )
     ordinal = 0
-    for batch in batches([field]):
-        for text in batch.column(0).to_pylist():
-            if text is not None and not isinstance(text, str):
-                raise CorpusError(
-                    f"{source.where(ordinal)}: column {field!r} holds {type(text).__name__},"
-                    " not text; name the text's column with --text_field"
-                )
-            yield ordinal, text or ""
-            ordinal += 1
+    try:
+        for batch in batches([field]):
+            yield from _column_texts(source, batch.column(0).to_pylist(), ordinal, field)
+            ordinal += batch.num_rows
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid / ArrowIOError
+        if isinstance(error, CorpusError):
+            raise
+        raise CorpusError(f"{source.path}: cannot read it ({error})") from None
+
+
+def _column_texts(
+    source: Source, values: list[Any], first: int, field: str
+) -> Iterator[tuple[int, str]]:
+    for ordinal, text in enumerate(values, start=first):
+        if text is not None and not isinstance(text, str):
+            raise CorpusError(
+                f"{source.where(ordinal)}: column {field!r} holds {type(text).__name__},"
+                " not text; name the text's column with --text_field"
+            )
+        yield ordinal, text or ""
 
 
 def _hub_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, str]]:
@@ -412,24 +545,19 @@ def _hub_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int, 
 
 
 def document_ordinals(source: Source, options: ReadOptions) -> Iterator[int]:
-    """The ordinals of ``source``'s records, read without decoding its documents where the
-    format allows (``--val_docs`` ranks every document's key before tokenizing)."""
-    if source.kind == "text" and not options.separator:
-        yield 0
-    elif source.kind == "parquet":
-        parquet = _optional("pyarrow.parquet", source.path)  # type: ignore[arg-type]
-        yield from range(parquet.ParquetFile(source.path).metadata.num_rows)
-    elif source.kind == "hub":
+    """The ordinals of ``source``'s documents that hold text (the ones ``prepare text``
+    tokenizes), for ``--val_docs``'s ranking: a plain text file by its size, anything else
+    by reading it (nothing is tokenized)."""
+    if source.kind == "hub":
         raise CorpusError(
             f"{source.label}: --val_docs needs every document counted, which a streamed hub"
             " dataset cannot give; use --val_fraction"
         )
-    elif source.kind == "jsonl":
-        assert source.path is not None
-        with _open_binary(source.path) as raw:
-            for index, line in enumerate(io.BufferedReader(raw, _READ_BLOCK)):  # type: ignore[arg-type]
-                if line.strip():
-                    yield index
-    else:
-        for ordinal, _ in source.documents(options):
+    plain = source.path is not None and not source.path.name.lower().endswith(COMPRESSIONS)
+    if source.kind == "text" and not options.separator and plain:
+        if source.size:  # any byte is at least one character (or a refused one)
+            yield 0
+        return
+    for ordinal, text in source.documents(options):
+        if text:
             yield ordinal

@@ -58,16 +58,17 @@ class ResumableSampler(DistributedSampler):
         self.resume_epoch, self.resume_position = epoch, position
 
     def __iter__(self) -> Iterator[int]:
-        if self.epoch != self.resume_epoch and not self._by_epoch:
-            return iter(list(super().__iter__()))
         # The group's order from the position on, dealt out to this layout's ranks in turn:
-        # with the same layout exactly DistributedSampler's own split, skipped ahead.
-        rest = self._group_order()[self.resume_position :]
+        # exactly DistributedSampler's own split (the same permutation, padding and
+        # dropping), skipped ahead in a resumed epoch; held as an array or a range, never
+        # as a list of the epoch's indices.
+        start = self.resume_position if self.epoch == self.resume_epoch else 0
+        rest = self._group_order()[start:]
         end = len(rest) // self.num_replicas * self.num_replicas
         if not self.drop_last and len(rest) > end:
             end += self.num_replicas
             rest = (list(rest) * (end // max(len(rest), 1) + 1))[:end]
-        return iter(rest[self.rank : end : self.num_replicas])
+        return map(int, rest[self.rank : end : self.num_replicas])
 
     @property
     def _by_epoch(self) -> bool:
@@ -81,10 +82,10 @@ class ResumableSampler(DistributedSampler):
             size = len(self.dataset)  # type: ignore[arg-type]
             return range(self.epoch * size, (self.epoch + 1) * size)
         if not self.shuffle:
-            return list(range(len(self.dataset)))  # type: ignore[arg-type]
+            return range(len(self.dataset))  # type: ignore[arg-type]
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        return torch.randperm(len(self.dataset), generator=generator).numpy()  # type: ignore[arg-type,return-value]
 
 
 class TokenDataModule(LightningDataModule):
@@ -118,8 +119,10 @@ class TokenDataModule(LightningDataModule):
         respect_documents: Training windows never cross a document boundary (documents
             end with the EOS that ``prepare text`` records): each document is cut into
             whole windows from its start and a tail shorter than one window is not trained
-            on. Off: windows tile the token stream across boundaries (the attention is not
-            reset at a boundary either way; packing with a reset comes with the loss mask).
+            on (the windows' starts are found at setup by one pass over the tokens and held
+            as an array: 8 bytes a window). Off: windows tile the token stream across
+            boundaries (the attention is not reset at a boundary either way; packing with a
+            reset comes with the loss mask).
         verify_shards: Check each shard's sha256 against ``meta.json`` before training
             (once per file version; the result is cached under ``$PLUGINTRAIN_CACHE``).
     """
@@ -191,7 +194,8 @@ class TokenDataModule(LightningDataModule):
         ]
         if not self.mix:
             return sources[0]
-        weights, names = [w for _, w in self.mix], [str(p) for p in self.prepared.paths]
+        weights = [w for _, w in self.mix]
+        names = [str(p.resolve()) for p in self.prepared.paths]  # as the state records them
         mixture = MixtureWindows(sources, weights, self.seed, self.shuffle, names)
         if self._saved_mixture is not None:
             mixture.resume(self._saved_mixture, self._resume[0], self._resume[1])

@@ -10,6 +10,7 @@ is cached by path, size and modification time).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 from collections.abc import Iterator
@@ -124,6 +125,13 @@ def split_paths(data_dir: Path, meta: dict[str, Any], split: str, file: str) -> 
     return [data_dir / file]
 
 
+def _redo(meta: dict[str, Any]) -> str:
+    """How to write the folder's shards again."""
+    if meta.get("task_commands"):
+        return "prepare the data again with the tasks' commands (task_commands in meta.json)"
+    return f"prepare the data again with its command: {meta.get('command')}"
+
+
 def verify_shards(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> None:
     """Check every listed shard's size and sha256 against ``meta.json``.
 
@@ -135,6 +143,17 @@ def verify_shards(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> N
     """
     if not is_text_shards(meta):
         return
+    if cache is None:
+        _verify(data_dir, meta, None)
+        return
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # One process hashes while the others (ranks started together) wait, then find it done.
+    with open(cache.with_name(cache.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _verify(data_dir, meta, cache)
+
+
+def _verify(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> None:
     known = _read_cache(cache)
     fresh = {}
     for split in meta["splits"].values():
@@ -142,8 +161,7 @@ def verify_shards(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> N
             path = (data_dir / shard["file"]).resolve()
             if not path.is_file():
                 raise ValueError(
-                    f"{path}: listed in {data_dir / 'meta.json'} but missing; prepare the data"
-                    f" again with its command: {meta.get('command')}"
+                    f"{path}: listed in {data_dir / 'meta.json'} but missing; {_redo(meta)}"
                 )
             stat = path.stat()
             stamp = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
@@ -154,7 +172,7 @@ def verify_shards(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> N
                 raise ValueError(
                     f"{path}: sha256 {digest[:16]}... does not match {data_dir / 'meta.json'}"
                     f" ({shard['sha256'][:16]}...): the shard changed since it was prepared;"
-                    f" prepare the data again with its command: {meta.get('command')}"
+                    f" {_redo(meta)}"
                 )
             fresh[stamp] = digest
     if fresh and cache is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 
 from plugintrain.tools._args import ToolParser
@@ -160,8 +161,6 @@ def main(argv: Sequence[str]) -> int:
 
 def _text_main(parser: ToolParser, args, argv: Sequence[str]) -> int:
     """``prepare text`` and ``prepare merge``: every problem is one line, exit 2."""
-    import codecs
-
     from plugintrain.data.corpus import PrepareOptions, merge, prepare_text
     from plugintrain.data.text_sources import CorpusError, ReadOptions
 
@@ -171,7 +170,8 @@ def _text_main(parser: ToolParser, args, argv: Sequence[str]) -> int:
         else:
             separator = args.separator
             if separator is not None:
-                separator = codecs.decode(separator, "unicode_escape")
+                # Escapes (\n, \t) read, and any other character kept as typed.
+                separator = separator.encode("latin-1", "backslashreplace").decode("unicode_escape")
             if args.val_docs is not None and args.val_docs < 1:
                 raise CorpusError(f"--val_docs {args.val_docs}: must be >= 1")
             if args.num_proc is not None and args.num_proc < 1:
@@ -208,6 +208,9 @@ def _text_main(parser: ToolParser, args, argv: Sequence[str]) -> int:
             )
     except (CorpusError, FileExistsError, ValueError) as error:
         parser.error(str(error))
+    except RuntimeError as error:  # a tokenizer process died: not the input's fault
+        sys.stderr.write(f"{parser.prog}: error: {error}\n")
+        return 1
     print(json.dumps(_brief(summary), indent=2))
     return 0
 

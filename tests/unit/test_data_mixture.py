@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import torch
 
 from plugintrain.data import TokenDataModule
 from plugintrain.data.corpus import PrepareOptions, prepare_text
+from plugintrain.data.mixture import IndexPermutation, Interleave
 
 T = 4
 
@@ -107,6 +109,14 @@ def test_a_changed_shard_is_refused_at_start_and_a_verified_one_is_not_read_agai
     folder = _prepared(tmp_path, ["one two three four five six seven"] * 20)
     TokenDataModule(data_dir=str(folder), seq_len=T)
     assert (tmp_path / "cache" / "verified-shards.json").is_file()
+    import plugintrain.data.token_shards as token_shards
+
+    def no_hashing(path):
+        raise AssertionError(f"{path} hashed again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(token_shards, "_sha256", no_hashing)
+        TokenDataModule(data_dir=str(folder), seq_len=T)  # every shard verified before
     shard = (
         folder
         / json.loads((folder / "meta.json").read_text())["splits"]["train"]["shards"][1]["file"]
@@ -137,6 +147,51 @@ def test_each_source_s_share_is_within_one_percent_of_its_weight(sources):
         x, _ = dataset[sample]
         assert x.tolist()[0] in _shard_tokens(sources[list(weights)[k]]).tolist()
     assert all(first_token.values())
+
+
+def test_the_interleave_is_every_source_s_samples_in_key_order():
+    """Against a brute-force sort of every sample by its key ``(i + 1/2) / m_k`` (exact
+    fractions), ties to the lower source: which source each sample comes from and how many
+    of each precede it."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        counts = rng.integers(0, 25, size=rng.integers(1, 6)).tolist()
+        order = sorted(
+            (Fraction(2 * i + 1, 2 * m), k) for k, m in enumerate(counts) for i in range(m)
+        )
+        interleave, seen = Interleave(counts), [0] * len(counts)
+        for j, (_, k) in enumerate(order):
+            assert interleave.counts_before(j) == seen
+            assert interleave.locate(j) == (k, seen[k])
+            seen[k] += 1
+        assert interleave.counts_before(len(order)) == seen == counts
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 17, 1000, 4097])
+def test_an_index_permutation_is_a_seeded_permutation(size):
+    values = [IndexPermutation(size, 7, 0, 0)[i] for i in range(size)]
+    assert sorted(values) == list(range(size))
+    other = [IndexPermutation(size, 8, 0, 0)[i] for i in range(size)]
+    assert size < 17 or values != other
+
+
+def test_a_resume_keeps_its_position_in_its_own_epoch_only(sources):
+    """After a resume, the next epochs are whole and the uninterrupted run's."""
+    mix = [{"path": str(sources[w]), "weight": v} for w, v in (("beta", 1), ("gamma", 3))]
+    reference = _module(mix=mix)
+    epochs = []
+    for epoch in (0, 1):
+        reference.trainer.current_epoch = epoch
+        loader = reference.train_dataloader()
+        loader.sampler.set_epoch(epoch)
+        epochs.append([x.tolist() for x, _ in loader])
+    state = _module(processed=3, mix=mix).state_dict()
+    resumed = _module(processed=3, mix=mix)
+    resumed.load_state_dict(state)
+    loader = resumed.train_dataloader()
+    assert [x.tolist() for x, _ in loader] == epochs[0][3:]
+    loader.sampler.set_epoch(1)
+    assert [x.tolist() for x, _ in loader] == epochs[1]
 
 
 def _epoch_samples(dm: TokenDataModule) -> list[list[int]]:
@@ -213,18 +268,19 @@ def test_folders_of_different_tokenizers_are_not_mixed(sources, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     meta = json.loads((sources["beta"] / "meta.json").read_text())
-    (other / "meta.json").write_text(
-        json.dumps(
-            {
-                **meta,
-                "tokenizer": "llama3",
-                "splits": {"train": {"shards": []}, "val": {"shards": []}},
-            }
-        )
-    )
+    (other / "meta.json").write_text(json.dumps({**meta, "tokenizer": "llama3"}))
     mix = [{"path": str(sources["alpha"]), "weight": 1}, {"path": str(other), "weight": 1}]
     with pytest.raises(ValueError, match="different tokenizers"):
-        TokenDataModule(mix=mix, seq_len=T)
+        TokenDataModule(mix=mix, seq_len=T, verify_shards=False)
+
+
+def test_a_folder_without_held_out_documents_is_refused_before_training(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("one two three four five six seven eight nine")
+    options = PrepareOptions("gpt2", val_fraction=0.0)
+    prepare_text([str(tmp_path / "in")], tmp_path / "out", options, num_proc=1, progress=False)
+    with pytest.raises(ValueError, match=r"no held-out documents .* --val_docs N --overwrite"):
+        TokenDataModule(data_dir=str(tmp_path / "out"), seq_len=T)
 
 
 def test_ids_outside_the_model_s_vocabulary_are_refused_before_training(sources):

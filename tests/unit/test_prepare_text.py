@@ -200,6 +200,16 @@ def test_other_settings_are_refused_without_overwrite(tmp_path, capsys):
     assert not stale.exists()
 
 
+def _zst(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(data)
+
+
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
 def _bad(tmp_path: Path, name: str, content: bytes) -> Path:
     (tmp_path / "in").mkdir(exist_ok=True)
     (tmp_path / "in" / name).write_bytes(content)
@@ -231,6 +241,31 @@ def _parquet_without_text(tmp_path: Path) -> Path:
         (lambda t: _bad(t, "big.txt", b"x" * 2000), ["--max_doc_bytes", "1000"], "2000 bytes"),
         (lambda t: _bad(t, "a.txt", b"a"), ["--num_tasks", "2", "--task_index", "2"], "[0, 2)"),
         (lambda t: _bad(t, "a.txt", b"a"), ["--eos", "<|nope|>"], "not a special token"),
+        (
+            lambda t: _bad(
+                t, "z.txt.zst", _half(_zst(b"".join(b"line %d\\n" % i for i in range(3000))))
+            ),
+            [],
+            "ends early",
+        ),
+        (lambda t: _bad(t, "y.txt.zst", b"not zstd at all"), [], "not a whole zstd file"),
+        (lambda t: _bad(t, "arr.json", b'["a", "b"]'), [], "arr.json (record 1): no 'text'"),
+        (
+            lambda t: _bad(t, "big.json", b'[{"text": "' + b"x" * 3000 + b'"}]'),
+            ["--max_doc_bytes", "1000"],
+            "a JSON array is read whole",
+        ),
+        (
+            lambda t: _bad(t, "long.jsonl", b'{"text": "' + b"x" * 9000 + b'"}\n'),
+            ["--max_doc_bytes", "1000"],
+            "long.jsonl:1: a document of over",
+        ),
+        (
+            lambda t: _bad(t, "s.txt", b"one\n\n\ntwo\n\n\n"),
+            ["--separator", "\\n\\n\\n", "--val_docs", "2"],
+            "holds 2 documents with text",
+        ),
+        (lambda t: _bad(t, "a.txt", b"a"), ["--shard_tokens", str(2**31)], "--shard_tokens"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, make, extra, message):
@@ -278,3 +313,84 @@ def test_the_command_line_prints_a_summary_and_records_the_command(tmp_path, cap
         assert hashlib.sha256((out / shard["file"]).read_bytes()).hexdigest() == shard["sha256"]
     assert (out / "token_bytes.npy").is_file()
     assert os.listdir(out / "progress")
+
+
+def test_bad_input_into_an_existing_empty_folder_leaves_it_empty_and_the_fix_works(
+    tmp_path, capsys
+):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("good text " * 50)  # its own group
+    (tmp_path / "in" / "b.txt").write_bytes(b"ok \xff bad")
+    out = tmp_path / "out"
+    out.mkdir()  # made beforehand, as a job script does
+    argv = ["text", str(tmp_path / "in"), "--tokenizer", "gpt2", "--out", str(out), "--quiet"]
+    argv += ["--num_proc", "1", "--shard_tokens", "8"]
+    with pytest.raises(SystemExit):
+        prepare_main(argv)
+    assert "not UTF-8 at byte 3" in capsys.readouterr().err.splitlines()[-1]
+    assert out.is_dir() and not list(out.iterdir())
+    assert prepare_main([*argv, "--errors", "replace"]) == 0
+
+
+def test_a_bad_rerun_with_overwrite_keeps_the_prepared_folder(tmp_path, capsys):
+    _corpus(tmp_path / "in")
+    argv = ["text", str(tmp_path / "in"), "--tokenizer", "gpt2", "--out", str(tmp_path / "o")]
+    argv += ["--quiet", "--num_proc", "1"]
+    assert prepare_main(argv) == 0
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "o").glob("*") if p.is_file())
+    with pytest.raises(SystemExit):
+        prepare_main([*argv, "--overwrite", "--val_docs", "1000"])
+    assert "holds 7 documents with text" in capsys.readouterr().err.splitlines()[-1]
+    after = sorted((p.name, p.read_bytes()) for p in (tmp_path / "o").glob("*") if p.is_file())
+    assert after == before
+
+
+def test_lone_surrogates_are_encoded_as_tiktoken_encodes_them(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "s.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    _run([tmp_path / "in"], tmp_path / "out", num_proc=2)
+    expected = [*_reference("gpt2").encode_ordinary("a\ud800b"), 50256]
+    assert _tokens(tmp_path / "out").tolist() == expected
+
+
+def test_val_docs_counts_only_documents_with_text(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "s.txt").write_text("one\n\n\n\n\n\ntwo\n\n\nthree\n\n\n")
+    (tmp_path / "in" / "empty.txt").write_text("")
+    read = _read(separator="\n\n\n")
+    for seed in range(6):
+        meta = _run(
+            [tmp_path / "in"], tmp_path / f"o{seed}", read=read, val_docs=2, seed=seed, num_proc=1
+        )
+        assert (meta["splits"]["val"]["documents"], meta["splits"]["train"]["documents"]) == (2, 1)
+
+
+def test_same_names_in_two_folders_are_two_files_and_the_output_is_never_read(tmp_path):
+    for name, text in (("a", "alpha text"), ("b", "beta text")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part.txt").write_text(text)
+    out = tmp_path / "a" / "prepared"  # inside an INPUT, and prepared twice
+    for _ in range(2):
+        meta = _run([tmp_path / "a", tmp_path / "b"], out, num_proc=1)
+        assert meta["splits"]["train"]["documents"] == 2
+    assert [s[0] for s in meta["settings"]["sources"]] == ["a/part.txt", "b/part.txt"]
+
+
+def test_a_separator_outside_ascii_is_taken_as_typed(tmp_path):
+    path = _bad(tmp_path, "s.txt", "one§§two§§three".encode())
+    out = tmp_path / "out"
+    argv = ["text", str(path), "--tokenizer", "gpt2", "--out", str(out), "--quiet"]
+    assert prepare_main([*argv, "--num_proc", "1", "--separator", "§§"]) == 0
+    assert json.loads((out / "meta.json").read_text())["splits"]["train"]["documents"] == 3
+
+
+def test_merge_refuses_to_write_into_a_task_s_folder(tmp_path, capsys):
+    _corpus(tmp_path / "in")
+    tasks = [tmp_path / f"task{i}" for i in range(2)]
+    for i, task in enumerate(tasks):
+        _run([tmp_path / "in"], task, num_tasks=2, task_index=i, num_proc=1, shard_tokens=8)
+    before = (tasks[1] / "meta.json").read_bytes()
+    with pytest.raises(SystemExit):
+        prepare_main(["merge", *map(str, tasks), "--out", str(tasks[1])])
+    assert "is one of the tasks' folders" in capsys.readouterr().err.splitlines()[-1]
+    assert (tasks[1] / "meta.json").read_bytes() == before

@@ -278,3 +278,26 @@ def test_resume_position_applies_per_rank_and_only_to_its_epoch(data_dir):
     dm.load_state_dict({"epoch": 1, "samples": 2 * B})
     assert _epoch(dm, epoch=1) == full[1][2:]
     assert _epoch(dm, epoch=0) == full[0]
+
+
+@pytest.mark.parametrize("size", [10, 11, 13])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_the_sampler_deals_out_distributed_sampler_s_order(size, shuffle, drop_last):
+    """Without a resume, every rank's indices are torch's DistributedSampler's, exactly
+    (held as an array, not a list of the epoch)."""
+    from torch.utils.data import DistributedSampler
+
+    from plugintrain.data import ResumableSampler
+
+    data = list(range(size))
+    for replicas in (1, 2, 3, 4):
+        for rank in range(replicas):
+            ours = ResumableSampler(data, replicas, rank, shuffle, seed=5, drop_last=drop_last)
+            torchs = DistributedSampler(
+                data, replicas, rank, shuffle=shuffle, seed=5, drop_last=drop_last
+            )
+            ours.set_epoch(2)
+            torchs.set_epoch(2)
+            assert list(ours) == list(torchs)
+            assert len(list(ours)) == len(ours)
