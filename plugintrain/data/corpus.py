@@ -209,7 +209,8 @@ def _encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for i, text in enumerate(texts):
         try:
             ids = tokenizer.encode_array(text)
-        except UnicodeEncodeError:  # lone surrogates (JSON "\\ud800"): U+FFFD, as tiktoken
+        except (UnicodeEncodeError, TypeError):  # lone surrogates (JSON "\\ud800"): as
+            # tiktoken's own encode, U+FFFD (`tokenizers` refuses them with a TypeError)
             text = texts[i] = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             ids = tokenizer.encode_array(text)
         pieces += [head, ids, tail]

@@ -8,9 +8,10 @@ read as an endless stream of its windows, one seeded permutation per pass, so a 
 weighted above its size is repeated and one below it is subsampled, never twice in a pass.
 
 Nothing here grows with the data: which source the ``j``-th sample comes from, and how many
-of each source precede it, are computed from the counts alone (a binary search over each
-source's keys, exact in integers), and a permutation maps an index to its window through
-a seeded Feistel network (`IndexPermutation`), never as a table.
+of each source precede it, are computed from the counts alone (exact, in fractions: the
+next ``3K/2`` keys after a bound below ``(j + 1/2) / N``, merged from the ``K`` sources), and a
+permutation maps an index to its window through a seeded Feistel network
+(`IndexPermutation`), never as a table.
 
 The state that makes a resume exact is where each source's stream stood at the start of an
 epoch (``base``): with unchanged weights, epoch ``e`` starts source ``k`` at
@@ -22,8 +23,10 @@ Other sources, or a source whose windows changed, are refused.
 from __future__ import annotations
 
 import hashlib
+import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -54,60 +57,52 @@ class Interleave:
         self.counts = [int(m) for m in counts]
         self.total = sum(self.counts)
 
-    def _at_most(self, k: int, p: int, q: int) -> int:
-        """Samples of source ``k`` whose key ``(2i + 1) / (2 m_k)`` is <= ``p / q``."""
-        m = self.counts[k]
-        if m == 0:
+    def _at_most(self, k: int, key: Fraction) -> int:
+        """Samples of source ``k`` whose key ``(2i + 1) / (2 m_k)`` is <= ``key``."""
+        m, p, q = self.counts[k], key.numerator, key.denominator
+        if m == 0 or p < 0:
             return 0
         # (2i + 1) q <= 2 m p  <=>  i <= (2 m p - q) / (2 q)
-        top = (2 * m * p - q) // (2 * q)
-        return max(0, min(m, top + 1))
+        return max(0, min(m, (2 * m * p - q) // (2 * q) + 1))
 
-    def _below(self, j: int) -> tuple[tuple[int, int] | None, list[int]]:
-        """The largest key ``p/q`` with at most ``j`` samples at or below it, and those
-        samples' counts per source (None and zeros when even the first key has more)."""
-        best: tuple[int, int] | None = None
-        for m in self.counts:
-            lo, hi = 0, m - 1  # the largest i whose key keeps the count <= j
-            found = -1
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                key = (2 * mid + 1, 2 * m)
-                if sum(self._at_most(s, *key) for s in range(len(self.counts))) <= j:
-                    found, lo = mid, mid + 1
-                else:
-                    hi = mid - 1
-            if found >= 0:
-                key = (2 * found + 1, 2 * m)
-                if best is None or key[0] * best[1] > best[0] * key[1]:
-                    best = key
-        if best is None:
-            return None, [0] * len(self.counts)
-        return best, [self._at_most(k, *best) for k in range(len(self.counts))]
+    def _around(self, j: int) -> tuple[list[int], Iterator[tuple[Fraction, int, int]]]:
+        """Counts of every source's samples surely before the ``j``-th, and the samples
+        after those in order (key, source, index), the ``j``-th among the first few.
+
+        A source's count of keys at or below ``x`` is within 1/2 of ``x * m_k``, so below
+        ``x = (j - K/2 - 1) / N`` lie at most ``j - 1`` samples in all, and at least
+        ``j - 3K/2 - 1``: the ``j``-th is within the next ``3K/2 + 2`` in key order, merged
+        from the sources' own orders (``O(K log K)``).
+        """
+        below = Fraction(2 * j - len(self.counts) - 2, 2 * self.total)
+        base = [self._at_most(k, below) for k in range(len(self.counts))]
+        need = j - sum(base) + 1
+        streams = [
+            _keys(k, m, first, min(m, first + need))
+            for k, (m, first) in enumerate(zip(self.counts, base, strict=True))
+        ]
+        return base, heapq.merge(*streams)
 
     def counts_before(self, j: int) -> list[int]:
         """How many samples of each source are among the first ``j`` of the epoch."""
         if j >= self.total:
             return list(self.counts)
-        _, counts = self._below(j)
-        left = j - sum(counts)
-        if left:  # the next key is shared by several sources: the lower ones come first
-            nxt = [
-                Fraction(2 * c + 1, 2 * m) if c < m else None
-                for c, m in zip(counts, self.counts, strict=True)
-            ]
-            smallest = min(n for n in nxt if n is not None)
-            for k, n in enumerate(nxt):
-                if left and n == smallest:
-                    counts[k] += 1
-                    left -= 1
-        return counts
+        base, after = self._around(j)
+        for _, k, _ in itertools.islice(after, j - sum(base)):
+            base[k] += 1
+        return base
 
     def locate(self, j: int) -> tuple[int, int]:
         """Source of the ``j``-th sample and how many of that source's samples precede it."""
-        before, after = self.counts_before(j), self.counts_before(j + 1)
-        k = next(k for k in range(len(before)) if after[k] > before[k])
-        return k, before[k]
+        base, after = self._around(j)
+        _, k, i = next(itertools.islice(after, j - sum(base), None))
+        return k, i
+
+
+def _keys(k: int, m: int, start: int, stop: int) -> Iterator[tuple[Fraction, int, int]]:
+    """Source ``k``'s samples ``start..stop-1`` as (key, source, index), in order."""
+    for i in range(start, stop):
+        yield Fraction(2 * i + 1, 2 * m), k, i
 
 
 class IndexPermutation:
@@ -177,6 +172,12 @@ class MixtureWindows(Dataset):
     def reweight(self, weights: Sequence[float]) -> None:
         self.weights = [float(w) for w in weights]
         self.counts = apportion(self.weights, self.total)
+        starved = [n for n, m in zip(self.names, self.counts, strict=True) if m == 0]
+        if starved:
+            raise ValueError(
+                f"mix: {starved[0]}'s weight is too small to give it one of the epoch's"
+                f" {self.total} samples; raise its weight or drop it"
+            )
         self.order = Interleave(self.counts)
 
     def __len__(self) -> int:

@@ -2,8 +2,10 @@
 
 `expand_inputs` turns the command line's INPUTs (files, folders, globs, a ``save_to_disk``
 directory, ``hf:NAME``) into `Source`\\ s in a fixed order; `Source.documents` streams one
-source's documents as ``(ordinal, text)`` without holding the source whole. Every error is
-a `CorpusError` naming the file and, for line-based formats, the line.
+source's documents as ``(ordinal, text)`` without holding the source whole. Every error in
+the input (unreadable, corrupt, cut short, not UTF-8, not JSON, no text field or column,
+over the size limit) is a `CorpusError` naming the file and, for line-based formats, the
+line.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,8 +63,9 @@ class Source:
     """One input: a file, a ``save_to_disk`` directory or a hub dataset.
 
     Attributes:
-        label: Its name relative to the INPUT it was found under (what the held-out split
-            hashes, so moving the corpus keeps the split).
+        label: Its name as the held-out split hashes it, so moving the corpus keeps the
+            split: a folder's (or a glob's fixed folder's) name and the path below it
+            (``corpus/2024/a.jsonl``), a file's own name, ``hf:NAME``.
         path: The file or directory (None for a hub dataset).
         kind: ``text``, ``jsonl``, ``json``, ``parquet``, ``arrow_dir`` or ``hub``.
         size: Bytes on disk (what tasks are balanced by); 0 for a hub dataset.
@@ -175,6 +179,10 @@ def _expand_one(spec: str, extra: tuple[str, ...], skip: Path | None) -> list[So
     if path.is_dir() and _is_saved_dataset(path):
         return [Source(path.resolve().name, path, "arrow_dir", _tree_size(path))]
     if path.is_dir():
+        if skip is not None and path.resolve() == skip:
+            raise CorpusError(
+                f"{spec}: is also --out; write the prepared data to a folder of its own"
+            )
         return _walk(path, extra, skip)
     return [_file_source(path, path.name, extra, named=True)]
 
@@ -335,7 +343,7 @@ def _decoded_blocks(source: Source, options: ReadOptions) -> Iterator[str]:
                 yield decoder.decode(b"", final=True)
             except UnicodeDecodeError as error:  # a character cut off by the end
                 raise CorpusError(where(error)) from None
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zlib.error) as error:
         raise CorpusError(f"{source.path}: cannot read it ({error})") from None
 
 
@@ -387,8 +395,8 @@ def _jsonl_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int
         with _open_binary(source.path) as raw:
             stream = io.BufferedReader(raw, _READ_BLOCK)  # type: ignore[arg-type]
             offset, index = 0, 0
-            while line := stream.readline(limit):
-                if len(line) == limit and not line.endswith(b"\n"):
+            while line := stream.readline(limit + 1):
+                if len(line) > limit:
                     raise CorpusError(_too_long(source, index, f"over {limit}", options))
                 if index == 0:
                     line = line.removeprefix(b"\xef\xbb\xbf")  # a byte order mark
@@ -397,7 +405,7 @@ def _jsonl_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int
                     yield index, _record_text(source, index, record, options)
                 offset += len(line)
                 index += 1
-    except (OSError, EOFError) as error:
+    except (OSError, EOFError, zlib.error) as error:
         raise CorpusError(f"{source.path}: cannot read it ({error})") from None
 
 
@@ -443,8 +451,11 @@ def _json_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int,
     """A ``.json`` file: an array of objects (read whole, so no larger than
     ``--max_doc_bytes``), or JSON lines under that name."""
     assert source.path is not None
-    with _open_binary(source.path) as stream:
-        head = stream.read(_READ_BLOCK).removeprefix(b"\xef\xbb\xbf").lstrip()
+    try:
+        with _open_binary(source.path) as stream:
+            head = stream.read(_READ_BLOCK).removeprefix(b"\xef\xbb\xbf").lstrip()
+    except (OSError, EOFError, zlib.error) as error:
+        raise CorpusError(f"{source.path}: cannot read it ({error})") from None
     if not head.startswith(b"["):
         yield from _jsonl_documents(source, options)
         return
@@ -487,9 +498,14 @@ def _arrow_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int
     """Rows of a ``datasets`` ``save_to_disk`` directory: its Arrow stream files in order."""
     pa = _optional("pyarrow", source.path)  # type: ignore[arg-type]
     assert source.path is not None
-    state = json.loads((source.path / "state.json").read_text())
-    files = [source.path / f["filename"] for f in state.get("_data_files", [])]
-    names = pa.ipc.open_stream(pa.memory_map(str(files[0]))).schema.names if files else []
+    try:
+        state = json.loads((source.path / "state.json").read_text())
+        files = [source.path / f["filename"] for f in state.get("_data_files", [])]
+        names = pa.ipc.open_stream(pa.memory_map(str(files[0]))).schema.names if files else []
+    except (OSError, ValueError, KeyError, TypeError) as error:  # pyarrow's errors included
+        raise CorpusError(
+            f"{source.path}: not a readable datasets save_to_disk folder ({error})"
+        ) from None
 
     def batches(columns: list[str]) -> Iterator[Any]:
         for file in files:

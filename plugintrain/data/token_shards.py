@@ -146,9 +146,13 @@ def verify_shards(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> N
     if cache is None:
         _verify(data_dir, meta, None)
         return
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    # One process hashes while the others (ranks started together) wait, then find it done.
-    with open(cache.with_name(cache.name + ".lock"), "a") as lock:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(cache.with_name(cache.name + ".lock"), "a")  # noqa: SIM115
+    except OSError:  # a read-only cache: every start verifies
+        _verify(data_dir, meta, None)
+        return
+    with lock:  # one process hashes while the others (ranks started together) wait
         fcntl.flock(lock, fcntl.LOCK_EX)
         _verify(data_dir, meta, cache)
 

@@ -292,3 +292,10 @@ def test_ids_outside_the_model_s_vocabulary_are_refused_before_training(sources)
     ]
     with pytest.raises(ValueError, match="outside the model's vocab_size=1000"):
         TokenDataModule(mix=mix, seq_len=T, vocab_size=1000)
+
+
+def test_a_read_only_cache_only_costs_another_verification(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("PLUGINTRAIN_CACHE", str(tmp_path / "file" / "cache"))
+    folder = _prepared(tmp_path, ["one two three four five six seven"] * 20)
+    TokenDataModule(data_dir=str(folder), seq_len=T)

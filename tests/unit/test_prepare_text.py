@@ -206,6 +206,12 @@ def _zst(data: bytes) -> bytes:
     return zstandard.ZstdCompressor().compress(data)
 
 
+def _flipped(data: bytes) -> bytes:
+    """A byte in the middle of a compressed stream changed."""
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+
+
 def _half(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
@@ -266,6 +272,16 @@ def _parquet_without_text(tmp_path: Path) -> Path:
             "holds 2 documents with text",
         ),
         (lambda t: _bad(t, "a.txt", b"a"), ["--shard_tokens", str(2**31)], "--shard_tokens"),
+        (
+            lambda t: _bad(t, "g.txt.gz", _flipped(gzip.compress(DOCS[4].encode() * 20))),
+            [],
+            "g.txt.gz: cannot read it",
+        ),
+        (
+            lambda t: _bad(t, "h.json.gz", _half(gzip.compress(b'[{"text": "x"}]' * 50))),
+            [],
+            "h.json.gz: cannot read it",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, make, extra, message):
@@ -394,3 +410,19 @@ def test_merge_refuses_to_write_into_a_task_s_folder(tmp_path, capsys):
         prepare_main(["merge", *map(str, tasks), "--out", str(tasks[1])])
     assert "is one of the tasks' folders" in capsys.readouterr().err.splitlines()[-1]
     assert (tasks[1] / "meta.json").read_bytes() == before
+
+
+def test_lone_surrogates_through_the_tokenizers_library(tmp_path):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "s.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    _run([tmp_path / "in"], tmp_path / "out", tokenizer="smollm2-135m", num_proc=1)
+    expected = [*get_tokenizer("smollm2-135m").encode("a\ufffdb"), 2]
+    assert _tokens(tmp_path / "out").tolist() == expected
+
+
+def test_an_input_folder_is_not_also_the_output(tmp_path, capsys):
+    _corpus(tmp_path / "in")
+    argv = ["text", str(tmp_path / "in"), "--tokenizer", "gpt2", "--out", str(tmp_path / "in")]
+    with pytest.raises(SystemExit):
+        prepare_main([*argv, "--quiet", "--overwrite"])
+    assert "is also --out" in capsys.readouterr().err.splitlines()[-1]
