@@ -22,7 +22,9 @@ its text. "MB" is 10^6 bytes of UTF-8 text (the JSON files are a little larger).
    median of each shown, as other work on the machine can slow either). CPU seconds
    (user + system, all threads; of the command, every process it reaped) say how much
    work each did whatever the load; a row gives the command's fixed cost: the same
-   command on one document.
+   command on one document. A last row is an upper bound no pipeline reaches: ``<cores>``
+   warm processes each reading whole files and encoding them with tiktoken's fastest call
+   (``encode_to_numpy``), with no batching, order or output.
 2. **Memory** (``--sizes``, default 50, 100, 200 and 400 MB): the peak RSS of the whole
    ``prepare text`` process tree (the command, its spawned tokenizer processes and the
    resource tracker), sampled every 50 ms: the sum of ``VmRSS`` over the process and
@@ -163,6 +165,35 @@ def baseline(paths: list[Path], cores: int) -> dict[str, Any]:
             "cpu_s": cpu}  # fmt: skip
 
 
+def _read_and_encode(path: Path) -> tuple[int, int]:
+    """One file's documents read and encoded (a process of the upper bound)."""
+    encoding = get_tokenizer("gpt2").encoding
+    documents = tokens = 0
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            text = json.loads(line)["text"]
+            tokens += len(encoding.encode_to_numpy(text, disallowed_special=()))
+            documents += 1
+    return documents, tokens
+
+
+def upper_bound(paths: list[Path], cores: int) -> dict[str, Any]:
+    """``cores`` processes, each reading whole files and encoding them one document after
+    another with tiktoken's fastest call: no batching, ordering or writing, the pool
+    started and warmed before the clock."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(cores, mp_context=context) as pool:
+        list(pool.map(get_tokenizer, ["gpt2"] * cores))  # start and warm every process
+        start = time.perf_counter()
+        results = list(pool.map(_read_and_encode, paths))
+        seconds = time.perf_counter() - start
+    documents, tokens = (sum(r[i] for r in results) for i in (0, 1))
+    return {"documents": documents, "tokens": tokens, "seconds": seconds}
+
+
 # -- prepare text, watched -------------------------------------------------------------
 
 
@@ -287,16 +318,19 @@ def prepare(inputs: list[Path], out: Path, cores: int) -> dict[str, Any]:
 def throughput(paths: list[Path], mb: int, cores: int, work: Path, repeats: int) -> dict:
     """Baseline and ``prepare text`` on the first ``mb`` MB, alternated ``repeats`` times."""
     inputs = files_for(paths, mb)
-    bases, runs = [], []
+    bases, runs, bounds = [], [], []
     for _ in range(repeats):
         bases.append(baseline(inputs, cores))
         runs.append(prepare(inputs, work / "out", cores))
+        bounds.append(upper_bound(inputs, cores))
     base, run = _median(bases, "encode_s"), _median(runs, "seconds")
+    bound = _median(bounds, "seconds")
     one = work / "one.jsonl"
     one.write_text(json.dumps({"text": "To be, or not to be, that is the question."}) + "\n")
     fixed = prepare([one], work / "out", cores)
     one.unlink()
     return {"mb": mb, "files": len(inputs), "baseline": base, "prepare": run, "fixed": fixed,
+            "bound": bound,
             "all_encode_s": [b["encode_s"] for b in bases],
             "all_prepare_s": [r["seconds"] for r in runs]}  # fmt: skip
 
@@ -321,6 +355,10 @@ def print_throughput(result: dict, cores: int) -> None:
          base["documents"], base["tokens"], base["read_s"] + base["encode_s"], None),
         (f"`plugintrain prepare text --num_proc {cores}` (wall clock, start-up included)",
          run["documents"], run["tokens"], run["seconds"], run["cpu_s"]),
+        (f"upper bound: {cores} warm processes reading and encoding whole files"
+         " (`encode_to_numpy`), nothing written",
+         result["bound"]["documents"], result["bound"]["tokens"], result["bound"]["seconds"],
+         None),
     ]  # fmt: skip
     for name, documents, tokens, seconds, cpu in rows:
         per_cpu = f"{tokens / cpu:,.0f}" if cpu else ""
