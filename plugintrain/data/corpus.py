@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from plugintrain.core.atomic_files import PARTIAL_SUFFIX, atomic_open
+from plugintrain.data.assets import sha256_file
 from plugintrain.data.text_sources import (
     CorpusError,
     ReadOptions,
@@ -324,7 +325,7 @@ class _ShardWriter:
                 "tokens": self._tokens,
                 "documents": self._documents,
                 "text_bytes": self._bytes,
-                "sha256": file_sha256(self.out / self._name),
+                "sha256": sha256_file(self.out / self._name),
             }
         )
         self.next_index += 1
@@ -335,15 +336,6 @@ class _ShardWriter:
         if self._context is not None:
             self._context.__exit__(CorpusError, CorpusError("aborted"), None)
             self._stream = self._context = None
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # -- the run --------------------------------------------------------------------------
@@ -576,7 +568,7 @@ def _finish_group(out: Path, index: int, writers: dict[str, _ShardWriter]) -> di
 
 def _shards_intact(out: Path, record: dict[str, Any]) -> bool:
     return all(
-        (out / shard["file"]).is_file() and file_sha256(out / shard["file"]) == shard["sha256"]
+        (out / shard["file"]).is_file() and sha256_file(out / shard["file"]) == shard["sha256"]
         for split in SPLITS
         for shard in record[split]
     )

@@ -11,7 +11,6 @@ is cached by path, size and modification time).
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from plugintrain.core.atomic_files import atomic_open
+from plugintrain.data.assets import sha256_file
 from plugintrain.data.token_bin import read_token_bin
 
 TEXT_SHARDS_FORMAT = "plugintrain.text-shards/1"
@@ -171,7 +171,7 @@ def _verify(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> None:
             stamp = f"{path}|{stat.st_size}|{stat.st_mtime_ns}"
             if known.get(stamp) == shard["sha256"]:
                 continue
-            digest = _sha256(path)
+            digest = sha256_file(path)
             if digest != shard["sha256"]:
                 raise ValueError(
                     f"{path}: sha256 {digest[:16]}... does not match {data_dir / 'meta.json'}"
@@ -181,14 +181,6 @@ def _verify(data_dir: Path, meta: dict[str, Any], cache: Path | None) -> None:
             fresh[stamp] = digest
     if fresh and cache is not None:
         _write_cache(cache, {**known, **fresh})
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_cache(cache: Path | None) -> dict[str, str]:

@@ -8,11 +8,10 @@ import json
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
+from test_data_position import _fake_trainer  # the trainer a datamodule sees
 
 from plugintrain.data import TokenDataModule
 from plugintrain.data.corpus import PrepareOptions, prepare_text
@@ -49,21 +48,9 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _trainer(replicas: int = 1, rank: int = 0, processed: int = 0, epoch: int = 0):
-    progress = SimpleNamespace(current=SimpleNamespace(processed=processed))
-    return SimpleNamespace(
-        strategy=SimpleNamespace(
-            distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank},
-            root_device=torch.device("cpu"),
-        ),
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
-        current_epoch=epoch,
-    )
-
-
 def _module(replicas=1, rank=0, processed=0, batch=4, **kwargs) -> TokenDataModule:
     dm = TokenDataModule(seq_len=T, batch_size=batch, seed=7, **kwargs)
-    dm.trainer = _trainer(replicas, rank, processed)
+    dm.trainer = _fake_trainer(replicas, rank, processed)
     dm.setup("fit")
     return dm
 
@@ -115,7 +102,7 @@ def test_a_changed_shard_is_refused_at_start_and_a_verified_one_is_not_read_agai
         raise AssertionError(f"{path} hashed again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(token_shards, "_sha256", no_hashing)
+        patch.setattr(token_shards, "sha256_file", no_hashing)
         TokenDataModule(data_dir=str(folder), seq_len=T)  # every shard verified before
     shard = (
         folder
