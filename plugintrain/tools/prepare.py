@@ -211,6 +211,12 @@ def _text_main(parser: ToolParser, args, argv: Sequence[str]) -> int:
     except RuntimeError as error:  # a tokenizer process died: not the input's fault
         sys.stderr.write(f"{parser.prog}: error: {error}\n")
         return 1
+    except KeyboardInterrupt:
+        sys.stderr.write(
+            f"\n{parser.prog}: interrupted; the finished groups are kept: rerun the same"
+            " command to go on\n"
+        )
+        return 130
     print(json.dumps(_brief(summary), indent=2))
     return 0
 
