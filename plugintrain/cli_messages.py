@@ -16,6 +16,7 @@ option before any of them loads.
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import re
 import traceback
@@ -72,7 +73,7 @@ def strategy_help() -> str:
     ours = ", ".join(f"{name} ({StrategyRegistry[name]['description']})" for name in STRATEGY_NAMES)
     return (
         f"A name: plugintrain's {ours}; or Lightning's {', '.join(lightning_strategy_names())}."
-        " Or a class_path with init_args."
+        " Or a class path alone (the class's defaults), or a class_path with init_args."
     )
 
 
@@ -98,14 +99,32 @@ def unknown_name(kind: str, value: object, ours: Iterable[str], theirs: Iterable
     )
 
 
+def strategy_class(strategy: Any) -> type | None:
+    """The Strategy class a dotted ``trainer.strategy`` string names
+    (``plugintrain.strategies.ZeroStrategy``), else None."""
+    from lightning.pytorch.strategies import Strategy
+
+    if not isinstance(strategy, str) or "." not in strategy:
+        return None
+    module, _, name = strategy.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return found if isinstance(found, type) and issubclass(found, Strategy) else None
+
+
 def check_strategy_name(strategy: Any) -> None:
     """Refuse a ``trainer.strategy`` name that no one registered, before Lightning does
-    (whose message knows neither plugintrain's names nor what was meant)."""
+    (whose message knows neither plugintrain's names nor what was meant). A class path
+    alone names that class with its defaults."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     from plugintrain.strategies import STRATEGY_NAMES
 
     if not isinstance(strategy, str) or strategy.lower() in ("auto", *StrategyRegistry):
+        return
+    if strategy_class(strategy) is not None:
         return
     raise ValueError(unknown_name("strategy", strategy, STRATEGY_NAMES, lightning_strategy_names()))
 

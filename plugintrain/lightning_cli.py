@@ -49,6 +49,7 @@ from plugintrain.cli_messages import (
     ConfigError,
     check_strategy_name,
     precision_help,
+    strategy_class,
     strategy_help,
     user_message,
 )
@@ -334,6 +335,13 @@ class PluginTrainCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(str(self.subcommand), self.config)
         check_strategy_name(config.trainer.strategy)
+        if strategy_class(config.trainer.strategy) is not None:  # a class path alone: its
+            # defaults, as LightningCLI users write it
+            update = {"trainer": {"strategy": {"class_path": config.trainer.strategy}}}
+            if self.subcommand is not None:
+                update = {str(self.subcommand): update}
+            self.config = self.parser.parse_object(update, self.config)
+            config = self.config.get(str(self.subcommand), self.config)
         _fill_checkpoint_dir(config)
 
     @override
