@@ -109,7 +109,7 @@ def strategy_class(strategy: Any) -> type | None:
     module, _, name = strategy.rpartition(".")
     try:
         found = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, ValueError):  # ValueError: ".x", an empty module
         return None
     return found if isinstance(found, type) and issubclass(found, Strategy) else None
 
