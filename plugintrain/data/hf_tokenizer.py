@@ -84,16 +84,9 @@ class HFTokenizer:
         ids = self.backend.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_batch(
-        self, texts: Iterable[str], bos: bool = False, threads: int | None = None
-    ) -> list[list[int]]:
-        """Encode several documents, each optionally led by BOS: in the library's threads,
-        or one after another with ``threads=1``."""
-        texts = list(texts)
-        if threads == 1:
-            batch = [self.backend.encode(t, add_special_tokens=False) for t in texts]
-        else:
-            batch = self.backend.encode_batch_fast(texts, add_special_tokens=False)
+    def encode_batch(self, texts: Iterable[str], bos: bool = False) -> list[list[int]]:
+        """Encode several documents in parallel threads, each optionally led by BOS."""
+        batch = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
         return [([self.bos_id] if bos else []) + e.ids for e in batch]
 
     def encode_array(self, text: str) -> np.ndarray:

@@ -17,7 +17,7 @@ import io
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -347,6 +347,18 @@ def _decoded_blocks(source: Source, options: ReadOptions) -> Iterator[str]:
         raise CorpusError(f"{source.path}: cannot read it ({error})") from None
 
 
+def _whole_text(source: Source, options: ReadOptions, refusal: Callable[[int], str]) -> str:
+    """A file's text whole, refused (``refusal(characters read)``) as soon as it is surely
+    over ``--max_doc_bytes`` (a character is at least one byte), never read further."""
+    blocks, chars = [], 0
+    for block in _decoded_blocks(source, options):
+        blocks.append(block)
+        chars += len(block)
+        if chars > options.max_doc_bytes:
+            raise CorpusError(refusal(chars))
+    return "".join(blocks)
+
+
 def _too_long(source: Source, ordinal: int, size: str, options: ReadOptions) -> str:
     split = "split the file with --separator or " if source.kind == "text" else ""
     return (
@@ -366,13 +378,7 @@ def _text_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int,
     """One document per file, or the pieces between separators (streamed)."""
     separator = options.separator
     if not separator:  # held whole, so refused as soon as it is surely too long
-        blocks, chars = [], 0
-        for block in _decoded_blocks(source, options):
-            blocks.append(block)
-            chars += len(block)
-            if chars > options.max_doc_bytes:
-                raise CorpusError(_too_long(source, 0, f"over {chars}", options))
-        yield 0, "".join(blocks)
+        yield 0, _whole_text(source, options, lambda chars: _too_long(source, 0, f"over {chars}", options))
         return
     pending, ordinal = "", 0
     for block in _decoded_blocks(source, options):
@@ -459,18 +465,15 @@ def _json_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int,
     if not head.startswith(b"["):
         yield from _jsonl_documents(source, options)
         return
-    blocks, chars = [], 0
-    for block in _decoded_blocks(source, options):
-        blocks.append(block)
-        chars += len(block)
-        if chars > options.max_doc_bytes:
-            raise CorpusError(
-                f"{source.path}: a JSON array is read whole and this one is over"
-                f" --max_doc_bytes={options.max_doc_bytes}; write it as JSON lines (.jsonl,"
-                " which is streamed) or raise --max_doc_bytes"
-            )
+    array = f"{source.path}: a JSON array is read whole and this one is over"
+    text = _whole_text(
+        source,
+        options,
+        lambda _: f"{array} --max_doc_bytes={options.max_doc_bytes}; write it as JSON lines"
+        " (.jsonl, which is streamed) or raise --max_doc_bytes",
+    )
     try:
-        records = json.loads("".join(blocks).removeprefix("\ufeff"))
+        records = json.loads(text.removeprefix("\ufeff"))
     except json.JSONDecodeError as error:
         raise CorpusError(
             f"{source.path}:{error.lineno}: not JSON ({error.msg} at column {error.colno})"

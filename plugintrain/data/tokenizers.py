@@ -79,14 +79,9 @@ class Tokenizer:
         ids = self.encoding.encode_ordinary(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def encode_batch(
-        self, texts: Iterable[str], bos: bool = False, threads: int = 8
-    ) -> list[list[int]]:
-        """Encode several documents in up to ``threads`` threads, each optionally led by BOS."""
-        if threads == 1:
-            batches = [self.encoding.encode_ordinary(text) for text in texts]
-        else:
-            batches = self.encoding.encode_ordinary_batch(list(texts), num_threads=threads)
+    def encode_batch(self, texts: Iterable[str], bos: bool = False) -> list[list[int]]:
+        """Encode several documents in parallel threads, each optionally led by BOS."""
+        batches = self.encoding.encode_ordinary_batch(list(texts))
         return [([self.bos_id] if bos else []) + ids for ids in batches]
 
     def encode_array(self, text: str) -> np.ndarray:

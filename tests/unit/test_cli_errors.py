@@ -256,14 +256,7 @@ def test_a_model_reads_the_tokenizer_its_config_names(capfd, tmp_path: Path, gpt
 )
 def test_a_strategy_s_class_path_alone_takes_its_defaults(tmp_path, class_path, expected):
     """``--trainer.strategy=<class path>`` without init_args, as LightningCLI users write it."""
-    cli = PluginTrainCLI(
-        args=[
-            "--config", str(GPT2_RECIPE), f"--trainer.strategy={class_path}",
-            f"--data.init_args.data_dir={_token_dir(tmp_path)}",
-            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-        ],
-        run=False,
-    )  # fmt: skip
+    cli = _built_with_strategy(tmp_path, class_path)
     assert type(cli.trainer.strategy).__name__ == expected
     if expected == "ZeroStrategy":
         assert cli.trainer.strategy.engine_stage == 2  # the class default
@@ -271,11 +264,16 @@ def test_a_strategy_s_class_path_alone_takes_its_defaults(tmp_path, class_path, 
 
 def test_a_class_path_that_is_no_strategy_is_an_unknown_strategy(tmp_path):
     with pytest.raises(Exception, match=r"unknown strategy 'plugintrain\.data\.TokenDataModule'"):
-        PluginTrainCLI(
-            args=[
-                "--config", str(GPT2_RECIPE), "--trainer.strategy=plugintrain.data.TokenDataModule",
-                f"--data.init_args.data_dir={_token_dir(tmp_path)}",
-                f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
-            ],
-            run=False,
-        )  # fmt: skip
+        _built_with_strategy(tmp_path, "plugintrain.data.TokenDataModule")
+
+
+def _built_with_strategy(tmp_path: Path, strategy: str) -> PluginTrainCLI:
+    """The GPT-2 recipe built (not run) on tiny token files with ``--trainer.strategy``."""
+    return PluginTrainCLI(
+        args=[
+            "--config", str(GPT2_RECIPE), f"--trainer.strategy={strategy}",
+            f"--data.init_args.data_dir={_token_dir(tmp_path)}",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        ],
+        run=False,
+    )  # fmt: skip
