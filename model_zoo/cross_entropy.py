@@ -9,6 +9,16 @@ in the logits' dtype; backward only scales that buffer in place. The buffer is t
 gradient autograd hands to the LM head anyway, so beyond it only a few fp32 chunks exist.
 Computing the gradient in the forward pass is what Liger Kernel's fused cross-entropy
 does (Hsu et al., 2024), here in plain PyTorch so it runs on any device.
+
+Loss masks: a target equal to :data:`IGNORE_INDEX` is not scored (prompt tokens of chat
+data, padding). The loss is then the sum over the scored targets divided by the number of
+*positions*, scored or not: a denominator fixed by the batch's shape, so that the
+gradients of every micro-batch, accumulation step and data-parallel rank add up to the
+sum over the global batch's targets times one known constant, which the precision plugin
+turns into the mean over the global batch's targets at the optimizer step (Megatron's
+per-token loss; a mean of per-micro-batch means would weigh a target of a short answer
+more than one of a long answer, the gradient-accumulation bug ``transformers`` fixed in
+2024). Without ignored targets it is the plain mean, as before.
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+IGNORE_INDEX = -100
+"""A target that is not scored (torch's ``cross_entropy`` default ``ignore_index``)."""
 
 CHUNK_ELEMENTS = 1 << 24
 """Logits per chunk (a 64 MiB fp32 copy): at Llama 3's 128,256-token vocabulary 130
@@ -33,21 +46,31 @@ def token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     DTensors sharded over the vocabulary: they take torch's cross-entropy, whose
     ``loss_parallel`` rule reduces over the shards (each rank upcasts only its ``V / tp``
     columns), as before.
+
+    Returns:
+        The summed loss of the scored targets (not :data:`IGNORE_INDEX`) over the number
+        of positions, ``targets.numel()``: the mean when every target is scored.
     """
     if isinstance(logits, DTensor):
-        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
+        flat_targets = targets.flatten()
+        total = F.cross_entropy(
+            logits.float().flatten(0, -2), flat_targets, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return total / flat_targets.numel()
     return chunked_cross_entropy(logits, targets)
 
 
 def chunked_cross_entropy(
     logits: Tensor, targets: Tensor, chunk_tokens: int | None = None
 ) -> Tensor:
-    """Mean cross-entropy of ``logits`` ``(..., V)`` against ``targets`` ``(...)``, in fp32.
+    """Cross-entropy of ``logits`` ``(..., V)`` against ``targets`` ``(...)``, in fp32: the
+    sum over the scored targets over the number of positions (see the module docstring).
 
-    Equal to ``F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())`` in loss
+    Equal to ``F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
+    reduction="sum") / targets.numel()`` with ``ignore_index`` :data:`IGNORE_INDEX` in loss
     and gradient (to fp32 rounding; the gradient is rounded once to the logits' dtype), but
-    the fp32 copies are one chunk of tokens at a time. Every target must be a token id in
-    ``[0, V)`` (no ``ignore_index``).
+    the fp32 copies are one chunk of tokens at a time. A target is a token id in ``[0, V)``
+    or :data:`IGNORE_INDEX`.
 
     Args:
         logits: Plain (not DTensor) logits of any floating dtype; the gradient comes back
@@ -95,9 +118,13 @@ def _chunk_loss(logits: Tensor, targets: Tensor, grad: Tensor | None, scale: flo
     ``grad`` (in the logits' dtype) unless it is None."""
     # (n, V) fp32, the one fp32 copy of the chunk (CUDA reads bf16 and writes fp32 at once)
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    loss = -log_probs.gather(1, targets[:, None]).sum()
+    scored = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
+    index = targets.clamp(min=0)[:, None]  # an ignored row gathers id 0, then counts 0
+    loss = -(log_probs.gather(1, index) * scored).sum()
     if grad is not None:
         probs = log_probs.exp_()  # softmax, in the same memory
-        probs.scatter_add_(1, targets[:, None], probs.new_full((probs.size(0), 1), -1.0))
-        torch.mul(probs, scale, out=grad)  # scaled and rounded to the logits' dtype at once
+        probs.scatter_add_(1, index, -scored.to(probs.dtype))
+        # (softmax - one_hot) * scale on scored rows, zero on ignored ones; rounded to the
+        # logits' dtype at once
+        torch.mul(probs, scored * scale, out=grad)
     return loss

@@ -74,10 +74,32 @@ def rope_cache(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``(B, nh, T, hs)`` by the angles of its positions ``(T, hs)``."""
+    """Rotate ``x`` of shape ``(B, nh, T, hs)`` by the angles of its positions: ``(T, hs)``,
+    or ``(B, 1, T, hs)`` when each row has its own positions (packed sequences)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)  # pairs channel i with channel i + hs/2
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed sequences: causal within each document, nothing across.
+
+    A document starts wherever its position is 0 (a packed row holds several examples,
+    each numbered from 0), so a token sees the earlier tokens of its own example only: the
+    block-diagonal causal mask that makes a packed row compute what its examples compute
+    one at a time.
+
+    Args:
+        positions: ``(B, T)`` position of each token within its document.
+
+    Returns:
+        ``(B, 1, T, T)`` bool, True where the query (row) may attend to the key (column).
+    """
+    document = (positions == 0).cumsum(dim=-1)  # (B, T) index of each token's document
+    same = document[:, :, None] == document[:, None, :]  # (B, T, T)
+    causal = torch.ones(positions.size(-1), positions.size(-1), dtype=torch.bool,
+                        device=positions.device).tril_()
+    return (same & causal)[:, None]  # (B, 1, T, T)
 
 
 class KVCache(nn.Module):
@@ -154,13 +176,17 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_pos: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``(B, T, C)`` causally; with a KV cache and ``input_pos``, also to the past.
 
         Args:
             x: Hidden states.
-            rope: Cosines and sines for the T positions, ``(T, hs)`` each; None without RoPE.
+            rope: Cosines and sines for the T positions, ``(T, hs)`` each (``(B, 1, T, hs)``
+                for packed rows); None without RoPE.
             input_pos: Positions of the T tokens ``(T,)``; selects the KV cache path.
+            mask: ``(B, 1, T, T)`` bool, where a query may attend (:func:`document_mask`);
+                None: causal over the whole row.
         """
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hs)
@@ -176,7 +202,13 @@ class Attention(nn.Module):
         else:
             dropout_p = self.dropout_p if self.training else 0.0
             y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=q.size(1) != k.size(1)
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                is_causal=mask is None,
+                enable_gqa=q.size(1) != k.size(1),
             )  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_dropout(self.wo(y))

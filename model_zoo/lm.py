@@ -10,7 +10,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from plugintrain.checkpoints.portable import PortableCheckpoints
 from plugintrain.core.contracts import TokenBytesSource
 from plugintrain.model_zoo.config import TransformerConfig
-from plugintrain.model_zoo.cross_entropy import token_cross_entropy
+from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX, token_cross_entropy
 from plugintrain.model_zoo.families import tp_plan
 from plugintrain.model_zoo.generation import TextGenerator
 from plugintrain.model_zoo.metrics import EvalMetrics
@@ -90,6 +90,11 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         """Added to the config's training FLOPs per token: the LoRA callback sets it to what
         its steps add and skip (the adapters' matmuls; no weight gradients of frozen ones)."""
         self.eval_metrics = torch.nn.ModuleDict({"val": EvalMetrics(), "test": EvalMetrics()})
+        self.loss_mask = False
+        """Whether the data masks targets (set at setup from the datamodule's ``loss_mask``,
+        the same on every rank): the training steps then count their scored targets and
+        positions, and :meth:`take_target_counts` hands them to the precision plugin."""
+        self._target_counts: torch.Tensor | None = None
 
     def configure_model(self) -> None:
         """Build the transformer, once (Lightning may call this hook more than once)."""
@@ -127,45 +132,48 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         return {f"model.{pattern}": style for pattern, style in tp_plan(self.config).items()}
 
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean fp32 cross-entropy of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)``."""
+        """Fp32 cross-entropy of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)``: the
+        summed loss of the scored targets (not ``IGNORE_INDEX``) over the ``B * T``
+        positions, the mean when nothing is masked (see
+        :func:`~plugintrain.model_zoo.cross_entropy.token_cross_entropy`)."""
         return token_cross_entropy(logits, targets)
 
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        """Next-token loss on ``(x, y)`` int64 ``(B, T)``; logs ``train_loss``, ``train_ppl``
-        and, given the bytes per token, ``train_bpb``."""
-        x, y = batch
-        loss = self.loss_fn(self(x), y)
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        """Next-token loss on ``(x, y)`` int64 ``(B, T)``, or ``(x, y, positions)`` of packed
+        rows; logs ``train_loss``, ``train_ppl`` and, given the bytes per token,
+        ``train_bpb``."""
+        loss = self.loss_fn(self(*_model_inputs(batch)), batch[1])
         self.record_loss("train", loss, batch)
         aux = self.model.take_aux_loss()  # MoE balance losses (logged as moe/aux_loss)
         return loss if aux is None else loss + aux
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         """Logs ``val_loss``, ``val_ppl`` and, given the bytes per token, ``val_bpb``."""
-        x, y = batch
-        self.record_loss("val", self.loss_fn(self(x), y), batch)
+        self.record_loss("val", self.loss_fn(self(*_model_inputs(batch)), batch[1]), batch)
 
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def test_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         """Logs ``test_loss``, ``test_ppl`` and, given the bytes per token, ``test_bpb``."""
-        x, y = batch
-        self.record_loss("test", self.loss_fn(self(x), y), batch)
+        self.record_loss("test", self.loss_fn(self(*_model_inputs(batch)), batch[1]), batch)
 
-    def record_loss(
-        self, stage: str, loss: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
-        """Log the mean loss of ``batch`` for ``stage``, and FLOPs or the `EvalMetrics`.
+    def record_loss(self, stage: str, loss: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> None:
+        """Log the mean loss of ``batch``'s scored targets for ``stage``, and FLOPs or the
+        `EvalMetrics`; count the targets a training batch scores (``loss_mask``).
 
         Split from the steps so a strategy that runs forward and backward itself (the
         pipeline schedules) logs the loss it computed exactly as the steps do.
 
         Args:
             stage: ``"train"``, ``"val"`` or ``"test"``.
-            loss: The batch's mean token loss.
-            batch: The ``(x, y)`` batch it was computed on.
+            loss: The batch's loss as :meth:`loss_fn` returns it (per position).
+            batch: The ``(x, y[, positions])`` batch it was computed on.
         """
-        x, y = batch
+        x, y = batch[0], batch[1]
+        scored = (y != IGNORE_INDEX).sum() if self.loss_mask else None
+        if scored is not None:  # the per-position loss as the mean over the scored targets
+            loss = loss * y.numel() / scored.clamp(min=1)
         if stage == "train":
+            if scored is not None:
+                self._count_targets(scored, y.numel())
             per_token = self.config.flops_per_token(x.size(1)) + self.flops_per_token_adjustment
             self.flops_per_batch = per_token * x.numel()
             # This rank's batch, as Lightning logs a step's loss: ppl and bpb of the same one.
@@ -179,10 +187,29 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         for name, metric in self.eval_metrics[stage].update(loss, y).items():
             self.log(f"{stage}_{name}", metric)
 
+    def _count_targets(self, scored: torch.Tensor, positions: int) -> None:
+        counts = torch.stack((scored.double(), scored.new_full((), positions, dtype=torch.float64)))
+        total = self._target_counts
+        self._target_counts = counts if total is None else total + counts
+
+    def take_target_counts(self) -> torch.Tensor | None:
+        """Scored targets and positions of the training batches since the last call, as a
+        float64 ``(2,)`` tensor; None when the data has no loss mask (the precision plugin
+        then leaves the gradients as they are). Every rank of a run answers alike."""
+        if not self.loss_mask:
+            return None
+        counts = self._target_counts
+        self._target_counts = None
+        if counts is None:  # e.g. a pipeline rank that ran no training step of its own
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        return counts
+
     def setup(self, stage: str) -> None:
         """Bits per byte take the bytes per token id of a datamodule that knows them."""
+        datamodule = self.trainer.datamodule
         for metrics in self.eval_metrics.values():
-            metrics.token_bytes = _token_bytes_of(self.trainer.datamodule)
+            metrics.token_bytes = _token_bytes_of(datamodule)
+        self.loss_mask = bool(getattr(datamodule, "loss_mask", False))
 
     def configure_optimizers(self) -> dict:
         """The injected optimizer over decay/no-decay groups, with a per-step LR schedule."""
@@ -215,11 +242,18 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         ]
 
 
+def _model_inputs(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The model's arguments for a batch: ``(x,)``, or ``(x, None, positions)`` of packed
+    rows."""
+    return (batch[0],) if len(batch) == 2 else (batch[0], None, batch[2])
+
+
 def _bits_per_byte(
     loss: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor
 ) -> torch.Tensor:
-    """Bits per UTF-8 byte of ``targets`` whose mean token NLL is ``loss`` (nats)."""
-    return loss * targets.numel() / (math.log(2) * token_bytes[targets].sum().clamp(min=1))
+    """Bits per UTF-8 byte of the scored ``targets`` whose mean token NLL is ``loss`` (nats)."""
+    scored = targets[targets != IGNORE_INDEX]
+    return loss * scored.numel() / (math.log(2) * token_bytes[scored].sum().clamp(min=1))
 
 
 def _token_bytes_of(datamodule: L.LightningDataModule | None) -> torch.Tensor | None:

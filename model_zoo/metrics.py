@@ -8,6 +8,8 @@ import math
 import torch
 from torchmetrics import Metric
 
+from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX
+
 
 class _SummedNLL(Metric):
     """Total NLL (nats) and a total to divide it by, synced across ranks by summing both."""
@@ -51,8 +53,8 @@ class BitsPerByte(_SummedNLL):
     """
 
     def update(self, loss: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor) -> None:
-        """Add a batch whose mean token NLL is ``loss`` over ``targets`` (ids, any shape);
-        ``token_bytes[i]`` is the number of bytes id ``i`` spells."""
+        """Add a batch whose mean token NLL is ``loss`` over ``targets`` (scored ids, any
+        shape); ``token_bytes[i]`` is the number of bytes id ``i`` spells."""
         self._add(loss, targets.numel(), token_bytes[targets].sum())
 
     def compute(self) -> torch.Tensor:
@@ -71,7 +73,9 @@ class EvalMetrics(torch.nn.Module):
         self.token_bytes: torch.Tensor | None = None
 
     def update(self, loss: torch.Tensor, targets: torch.Tensor) -> dict[str, Metric]:
-        """Add a batch of mean loss ``loss`` over ``targets``; returns the metrics to log."""
+        """Add a batch of mean loss ``loss`` over the scored ``targets`` (those that are not
+        ``IGNORE_INDEX``, -100); returns the metrics to log."""
+        targets = targets[targets != IGNORE_INDEX] if (targets < 0).any() else targets
         self.ppl.update(loss, targets.numel())
         token_bytes = self.bytes_on(targets.device)
         if token_bytes is None:

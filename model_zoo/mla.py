@@ -125,13 +125,17 @@ class MultiHeadLatentAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_pos: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``(B, T, C)`` causally; with a KV cache and ``input_pos``, also to the past.
 
         Args:
             x: Hidden states.
-            rope: Cosines and sines for the T positions, ``(T, qk_rope_head_dim)`` each.
+            rope: Cosines and sines for the T positions, ``(T, qk_rope_head_dim)`` each
+                (``(B, 1, T, r)`` for packed rows).
             input_pos: Positions of the T tokens ``(T,)``; selects the KV cache path.
+            mask: ``(B, 1, T, T)`` bool of packed rows (``layers.document_mask``); None:
+                causal over the whole row.
         """
         assert rope is not None, "multi-head latent attention needs RoPE tables"
         mla = self.mla
@@ -159,6 +163,8 @@ class MultiHeadLatentAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             dropout_p = self.dropout_p if self.training else 0.0
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None
+            )
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * v_head_dim)
         return self.resid_dropout(self.wo(y))

@@ -21,6 +21,7 @@ from plugintrain.model_zoo.layers import (
     KVCache,
     build_feed_forward,
     build_norm,
+    document_mask,
     rope_cache,
 )
 from plugintrain.model_zoo.mla import LatentKVCache, MultiHeadLatentAttention
@@ -49,9 +50,10 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_pos: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Map hidden states ``(B, T, C)`` to ``(B, T, C)``; see :meth:`Attention.forward`."""
-        h = x + self.attention(self.attention_norm(x), rope, input_pos)
+        h = x + self.attention(self.attention_norm(x), rope, input_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -147,7 +149,12 @@ class Transformer(nn.Module):
         ):
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Compute logits ``(B, T, V)`` for token ids ``(B, T)``.
 
         On a pipeline stage without ``tok_embeddings`` the input is hidden states ``(B, T, C)``,
@@ -157,12 +164,16 @@ class Transformer(nn.Module):
             tokens: Token ids, or hidden states on a later pipeline stage.
             input_pos: Positions of the T tokens ``(T,)``; None means ``0..T-1``. Needed to
                 read and write the KV cache set up by :meth:`setup_kv_cache`.
+            positions: Packed rows instead: ``(B, T)`` position of each token in its own
+                example, 0 where an example starts; attention does not cross examples
+                (:func:`~plugintrain.model_zoo.layers.document_mask`).
         """
-        pos = (
-            input_pos
-            if input_pos is not None
-            else torch.arange(tokens.size(1), device=tokens.device)
-        )
+        if positions is not None:
+            pos = positions
+        elif input_pos is not None:
+            pos = input_pos
+        else:
+            pos = torch.arange(tokens.size(1), device=tokens.device)
         h = self.embed(tokens, pos) if self.tok_embeddings is not None else tokens  # (B, T, C)
         h = self.run_layers(h, self.layers.keys(), pos, input_pos)
         return self.head(h) if self.output is not None else h  # (B, T, V)
@@ -170,10 +181,11 @@ class Transformer(nn.Module):
     # ---- the pieces a pipeline stage runs (plugintrain.core.contracts.StagedModel) -----------
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` at ``positions`` ``(T,)`` -> hidden states ``(B, T, C)``."""
+        """Token ids ``(B, T)`` at ``positions`` ``(T,)`` (or ``(B, T)``, packed rows) ->
+        hidden states ``(B, T, C)``."""
         h = self.tok_embeddings(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(positions)  # (T, C) broadcast over the batch
+            h = h + self.pos_embeddings(positions)  # (T, C) broadcast over the batch, or (B, T, C)
         return self.dropout(h)
 
     def run_layers(
@@ -188,16 +200,18 @@ class Transformer(nn.Module):
         Args:
             h: Hidden states ``(B, T, C)``, or sequence shards of them under SP.
             keys: Block keys (full-model indices as strings).
-            positions: Positions of the whole sequence ``(T,)`` (for RoPE).
+            positions: Positions of the whole sequence ``(T,)`` (for RoPE), or of packed rows
+                ``(B, T)`` (also masks attention at their example boundaries).
             input_pos: As in :meth:`forward`, for the KV cache.
         """
-        rope = (
-            (self.rope_cos[positions], self.rope_sin[positions])
-            if self.rope_cos is not None
-            else None
-        )
+        rope = mask = None
+        if self.rope_cos is not None:
+            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, r) or (B, T, r)
+        if positions.dim() == 2:  # packed rows: per-row angles (B, 1, T, r) and a mask
+            rope = None if rope is None else (rope[0][:, None], rope[1][:, None])
+            mask = document_mask(positions)
         for key in keys:
-            h = self.layers[key](h, rope, input_pos)
+            h = self.layers[key](h, rope, input_pos, mask)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

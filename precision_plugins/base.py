@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.core.contracts import (
+    CountsTargets,
     GradientLayout,
     GradientLayoutProvider,
     default_gradient_layout,
@@ -39,6 +40,27 @@ def clip_grads_by_global_norm_(layout: GradientLayout, max_norm: float) -> Tenso
     for grad in layout.grads():
         grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
     return total_norm
+
+
+def mean_over_targets_(layout: GradientLayout, counts: Tensor) -> float:
+    """Rescale the layout's gradients, in place, to the mean over the global batch's
+    scored targets (see :class:`~plugintrain.core.contracts.CountsTargets`).
+
+    Every rank of the layout's group adds its ``(scored, positions)``; tensor-parallel
+    peers and pipeline stages count the same batch, which changes both sums alike and so
+    not their ratio.
+
+    Returns:
+        The factor applied: ``positions / scored`` (1 when no target was scored: the
+        gradients then hold no token loss to average).
+    """
+    total = layout.all_reduce(counts.to(layout.device, torch.float64).clone(), dist.ReduceOp.SUM)
+    scored, positions = total.tolist()
+    factor = positions / scored if scored > 0 else 1.0
+    if factor != 1.0:
+        for grad in layout.grads():
+            grad.mul_(factor)
+    return factor
 
 
 class LayoutAwarePrecision(Precision):
@@ -67,6 +89,15 @@ class LayoutAwarePrecision(Precision):
         """
         flag = found_inf.detach().to(device=layout.device, dtype=torch.float32).clone()
         return bool(layout.all_reduce(flag, dist.ReduceOp.MAX).item())
+
+    @override
+    def _after_closure(self, model: pl.LightningModule, optimizer: Optimizer) -> None:
+        # Gradients of a masked loss become the mean over the step's scored targets before
+        # any hook, clipping or the optimizer sees them.
+        counts = model.take_target_counts() if isinstance(model, CountsTargets) else None
+        if counts is not None:
+            mean_over_targets_(self.gradient_layout(optimizer), counts)
+        super()._after_closure(model, optimizer)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

@@ -258,6 +258,7 @@ class _StageRunner:
         training: bool,
         stash: dict,
         losses: list[Tensor],
+        positions: list[Tensor] | None = None,
     ) -> None:
         stage = self.stages[action.chunk]
         mb = action.microbatch
@@ -269,7 +270,7 @@ class _StageRunner:
                 x = x.to(self.activation_dtype)
             x.requires_grad_(training)
         with self.record_range("forward"), self.forward_context():
-            out = stage(x, seq_len)
+            out = stage(x, seq_len, None if positions is None else positions[mb])
             if stage.is_last:
                 out = self.loss_fn(out, targets[mb])
         if stage.is_last:
@@ -422,6 +423,7 @@ class PipelineExecutor:
         targets: list[Tensor],
         loss_scale: float = 1.0,
         scale_loss: Callable[[Tensor], Tensor] | None = None,
+        positions: list[Tensor] | None = None,
     ) -> Tensor | None:
         """Forward and backward of every micro-batch; gradients accumulate in ``.grad``.
 
@@ -431,21 +433,29 @@ class PipelineExecutor:
             loss_scale: Each micro-batch loss is multiplied by this before backward
                 (``1 / (microbatches * accumulation)`` for the batch mean).
             scale_loss: A further loss scaling for backward (FP16's loss scaler).
+            positions: Per micro-batch ``(b, T)`` positions of packed rows (read on every
+                stage, which masks attention at their example boundaries); None: unpacked.
 
         Returns:
             The mean of the micro-batch losses on the last rank, None on the others.
         """
-        return self._run(self.train_schedule, inputs, targets, loss_scale, scale_loss)
+        return self._run(self.train_schedule, inputs, targets, loss_scale, scale_loss, positions)
 
     @torch.no_grad()
-    def eval_step(self, inputs: list[Tensor], targets: list[Tensor]) -> Tensor | None:
-        """Forward-only schedule over any number of equal micro-batches.
+    def eval_step(
+        self,
+        inputs: list[Tensor],
+        targets: list[Tensor],
+        positions: list[Tensor] | None = None,
+    ) -> Tensor | None:
+        """Forward-only schedule over any number of equal micro-batches (``positions`` as in
+        :meth:`train_step`).
 
         Returns:
             The mean micro-batch loss on the last rank, None on the others.
         """
         schedule = forward_only(self.pp, self.vpp, len(inputs))
-        return self._run(schedule, inputs, targets, 1.0, None)
+        return self._run(schedule, inputs, targets, 1.0, None, positions)
 
     def _run(
         self,
@@ -454,6 +464,7 @@ class PipelineExecutor:
         targets: list[Tensor],
         loss_scale: float,
         scale_loss: Callable[[Tensor], Tensor] | None,
+        positions: list[Tensor] | None = None,
     ) -> Tensor | None:
         if len(inputs) != schedule.microbatches:
             raise ValueError(
@@ -476,7 +487,9 @@ class PipelineExecutor:
                 wire.post(batches[index], shape, device)  # the last send, this input
                 self._note(action.kind, action.chunk, action.microbatch)
                 if action.kind == "F":
-                    self._runner.forward(action, inputs, targets, seq_len, training, stash, losses)
+                    self._runner.forward(
+                        action, inputs, targets, seq_len, training, stash, losses, positions
+                    )
                     self.peak_stashed = max(self.peak_stashed, len(stash))
                 else:
                     self._runner.backward(action, stash, loss_scale, scale_loss)

@@ -161,11 +161,12 @@ class PipelineRuntime:
         waits for the last batch), and :meth:`finish_gradients` completes the reduction.
 
         Args:
-            batch: ``(x, y)``, this rank's whole batch.
+            batch: ``(x, y)``, or ``(x, y, positions)`` of packed rows: this rank's whole
+                batch.
             engine: The data-parallel gradient engine.
             accumulate: Lightning's ``accumulate_grad_batches`` (scales each loss).
         """
-        inputs, targets = _microbatches(batch, self.microbatches)
+        inputs, targets, positions = _microbatches(batch, self.microbatches)
         scaler = getattr(self.precision_plugin, "loss_scaler", None)
         self._engine = engine
         with engine.defer_reduction():
@@ -174,6 +175,7 @@ class PipelineRuntime:
                 targets,
                 loss_scale=1.0 / (self.microbatches * accumulate),
                 scale_loss=scaler.scale_loss if scaler is not None else None,
+                positions=positions,
             )
         loss = self._broadcast_loss(loss, batch[0].device)
         self.module.record_loss("train", loss, batch)
@@ -182,8 +184,9 @@ class PipelineRuntime:
     def evaluate(self, stage: str, batch: Any) -> None:
         """A forward-only schedule over ``batch``; logs the loss for ``stage``."""
         count = math.gcd(batch[0].size(0), self.microbatches)
-        inputs, targets = _microbatches(batch, count)
-        loss = self._broadcast_loss(self.executor.eval_step(inputs, targets), batch[0].device)
+        inputs, targets, positions = _microbatches(batch, count)
+        loss = self.executor.eval_step(inputs, targets, positions)
+        loss = self._broadcast_loss(loss, batch[0].device)
         self.module.record_loss(stage, loss, batch)
 
     def backward(self, closure_loss: Tensor, binding: EngineBinding) -> None:
@@ -229,11 +232,15 @@ def _chunk_parameters(
     return chunks
 
 
-def _microbatches(batch: Any, count: int) -> tuple[list[Tensor], list[Tensor]]:
-    x, y = batch
+def _microbatches(
+    batch: Any, count: int
+) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+    """``count`` micro-batches of inputs, targets and, for packed rows, positions."""
+    x, y, *rest = batch
     if x.size(0) % count:
         raise ValueError(
             f"A batch of {x.size(0)} sequences does not split into microbatches={count};"
             f" use a batch size that is a multiple of {count}."
         )
-    return list(x.chunk(count)), list(y.chunk(count))
+    positions = list(rest[0].chunk(count)) if rest else None
+    return list(x.chunk(count)), list(y.chunk(count)), positions

@@ -164,14 +164,17 @@ class VirtualStage:
     is_first: bool
     is_last: bool
 
-    def __call__(self, x: Tensor, seq_len: int) -> Tensor:
+    def __call__(self, x: Tensor, seq_len: int, positions: Tensor | None = None) -> Tensor:
         """Token ids ``(B, T)`` (first stage) or hidden states in; hidden states or logits out.
 
         Args:
             x: The stage input.
             seq_len: The full sequence length ``T`` (hidden states may be sequence shards).
+            positions: Packed rows' ``(B, T)`` positions (every stage masks attention at
+                their example boundaries); None: ``0..T-1``.
         """
-        positions = torch.arange(seq_len, device=x.device)
+        if positions is None:
+            positions = torch.arange(seq_len, device=x.device)
         h = self.model.embed(x, positions) if self.is_first else x
         h = self.model.run_layers(h, self.layer_keys, positions)
         return self.model.head(h) if self.is_last else h

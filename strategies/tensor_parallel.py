@@ -46,7 +46,7 @@ SP_ONLY_STYLES = frozenset(
 class _FirstInput(PrepareModuleInput):
     """``PrepareModuleInput`` for the first positional input, whatever the module's arity.
 
-    Attention takes ``(x, rope, input_pos)`` and the MLP ``(x,)``; one style serves both.
+    Attention takes ``(x, rope, input_pos, mask)`` and the MLP ``(x,)``; one style serves both.
     """
 
     def _prepare_input_fn(self, inputs: tuple, device_mesh: DeviceMesh) -> tuple:

@@ -96,6 +96,24 @@ class GradientLayoutProvider(Protocol):
 
 
 @runtime_checkable
+class CountsTargets(Protocol):
+    """A module whose training loss can mask targets (chat data's prompts, padding).
+
+    Its per-micro-batch loss is the sum over the scored targets divided by the number of
+    positions, a denominator the batch's shape fixes; the precision plugin multiplies the
+    step's gradients by ``positions / scored targets`` summed over the global batch, which
+    makes them the gradient of the mean over every scored target of every micro-batch and
+    rank (not a mean of per-micro-batch means).
+    """
+
+    def take_target_counts(self) -> Tensor | None:
+        """``(scored targets, positions)`` of the training batches since the last call (a
+        float64 ``(2,)``), or None when the data has no loss mask; every rank of a run must
+        answer alike (None everywhere or a tensor everywhere), as the counts are summed."""
+        ...
+
+
+@runtime_checkable
 class HoldsGradients(Protocol):
     """A strategy whose gradients live outside ``param.grad`` (flat buckets, shards)."""
 

@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from plugintrain.data.assets import ASSETS, Asset, AssetError, cache_root, fetch_asset
+    from plugintrain.data.chat_datamodule import ChatDataModule
     from plugintrain.data.hf_tokenizer import HFTokenizer
     from plugintrain.data.idx import read_idx, write_idx
     from plugintrain.data.mnist import MNISTDataModule
     from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
+    from plugintrain.data.resumable import ResumableBatches, ResumableSampler
     from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
     from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
-    from plugintrain.data.token_datamodule import ResumableSampler, TokenDataModule
+    from plugintrain.data.token_datamodule import TokenDataModule
     from plugintrain.data.token_shards import TokenWindows
     from plugintrain.data.tokenizers import (
         TOKENIZER_NAMES,
@@ -28,13 +30,15 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "assets": ("ASSETS", "Asset", "AssetError", "cache_root", "fetch_asset"),
+    "chat_datamodule": ("ChatDataModule",),
     "hf_tokenizer": ("HFTokenizer",),
     "idx": ("read_idx", "write_idx"),
     "mnist": ("MNISTDataModule",),
     "prepare": ("prepare_mnist", "prepare_shakespeare"),
     "token_bin": ("TokenFileError", "read_token_bin", "write_token_bin"),
     "token_bytes": ("read_token_bytes", "write_token_bytes"),
-    "token_datamodule": ("ResumableSampler", "TokenDataModule"),
+    "resumable": ("ResumableBatches", "ResumableSampler"),
+    "token_datamodule": ("TokenDataModule",),
     "token_shards": ("TokenWindows",),
     "tokenizers": (
         "TOKENIZER_NAMES",
@@ -52,8 +56,10 @@ __all__ = [
     "TOKENIZER_NAMES",
     "Asset",
     "AssetError",
+    "ChatDataModule",
     "HFTokenizer",
     "MNISTDataModule",
+    "ResumableBatches",
     "ResumableSampler",
     "TokenDataModule",
     "TokenFileError",

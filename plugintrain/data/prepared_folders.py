@@ -54,6 +54,12 @@ class PreparedFolders:
         tokenizer, tokenizers = self.tokenizer, set()
         for folder in self.paths:
             meta = read_meta(folder)
+            if meta.get("kind") == "chat":
+                raise ValueError(
+                    f"{folder} holds chat examples (plugintrain prepare chat), not text tokens;"
+                    " train on it with `data: class_path: plugintrain.data.ChatDataModule`"
+                    f" (init_args: data_dir: {folder})"
+                )
             recorded = meta.get("tokenizer")
             tokenizers.add(None if recorded is None else tokenizer_spec(recorded))
             if tokenizer is not None and _written_by_another(recorded, tokenizer):
