@@ -10,6 +10,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from plugintrain.data.assets import ASSETS, Asset, AssetError, cache_root, fetch_asset
     from plugintrain.data.chat_datamodule import ChatDataModule
+    from plugintrain.data.chat_formats import (
+        ChatDataError,
+        detect_format,
+        read_chat_rows,
+        to_messages,
+    )
+    from plugintrain.data.chat_prepare import ChatPrepareOptions, prepare_chat
+    from plugintrain.data.chat_templates import (
+        PLAIN_TEMPLATE,
+        ChatEncoder,
+        ChatTemplate,
+        ChatTemplateError,
+        load_chat_template,
+    )
     from plugintrain.data.hf_tokenizer import HFTokenizer
     from plugintrain.data.idx import read_idx, write_idx
     from plugintrain.data.mnist import MNISTDataModule
@@ -31,6 +45,15 @@ if TYPE_CHECKING:
 _MODULES = {
     "assets": ("ASSETS", "Asset", "AssetError", "cache_root", "fetch_asset"),
     "chat_datamodule": ("ChatDataModule",),
+    "chat_formats": ("ChatDataError", "detect_format", "read_chat_rows", "to_messages"),
+    "chat_prepare": ("ChatPrepareOptions", "prepare_chat"),
+    "chat_templates": (
+        "PLAIN_TEMPLATE",
+        "ChatEncoder",
+        "ChatTemplate",
+        "ChatTemplateError",
+        "load_chat_template",
+    ),
     "hf_tokenizer": ("HFTokenizer",),
     "idx": ("read_idx", "write_idx"),
     "mnist": ("MNISTDataModule",),
@@ -53,10 +76,16 @@ _HOME = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "ASSETS",
+    "PLAIN_TEMPLATE",
     "TOKENIZER_NAMES",
     "Asset",
     "AssetError",
+    "ChatDataError",
     "ChatDataModule",
+    "ChatEncoder",
+    "ChatPrepareOptions",
+    "ChatTemplate",
+    "ChatTemplateError",
     "HFTokenizer",
     "MNISTDataModule",
     "ResumableBatches",
@@ -66,14 +95,19 @@ __all__ = [
     "TokenWindows",
     "Tokenizer",
     "cache_root",
+    "detect_format",
     "family_tokenizer",
     "fetch_asset",
     "get_tokenizer",
+    "load_chat_template",
+    "prepare_chat",
     "prepare_mnist",
     "prepare_shakespeare",
+    "read_chat_rows",
     "read_idx",
     "read_token_bin",
     "read_token_bytes",
+    "to_messages",
     "tokenizer_short_name",
     "tokenizer_spec",
     "write_idx",

