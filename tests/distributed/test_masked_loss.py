@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
 from _dtensors import full_params
-from _harness import run_distributed
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
 from plugintrain.strategies import HybridParallelStrategy
+
+from _harness import run_distributed
 
 WORLD = 4
 SEQ = 16

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import lightning as L
 import numpy as np
@@ -47,7 +48,9 @@ def test_a_packed_row_gives_each_examples_own_logits_and_gradients(preset: str) 
     examples = _examples(model.config.vocab_size)
     # One at a time: each example alone, its summed next-token loss.
     alone = [model(e[None])[0] for e in examples]
-    loss_alone = sum(F.cross_entropy(lg[:-1], e[1:], reduction="sum") for lg, e in zip(alone, examples))
+    loss_alone = sum(
+        F.cross_entropy(lg[:-1], e[1:], reduction="sum") for lg, e in zip(alone, examples, strict=True)
+    )
     grads_alone = torch.autograd.grad(loss_alone, list(model.parameters()), allow_unused=True)
     # Packed: one row, positions restarting at each example.
     tokens, positions = _packed(examples)
@@ -57,7 +60,7 @@ def test_a_packed_row_gives_each_examples_own_logits_and_gradients(preset: str) 
         torch.testing.assert_close(logits[start:end], lg, rtol=1e-7, atol=1e-7)
     loss_packed = sum(
         F.cross_entropy(logits[s : e - 1], tokens[0, s + 1 : e], reduction="sum")
-        for s, e in zip(starts[:-1], starts[1:], strict=True)
+        for s, e in itertools.pairwise(starts)
     )
     grads_packed = torch.autograd.grad(loss_packed, list(model.parameters()), allow_unused=True)
     for (name, _), ga, gp in zip(model.named_parameters(), grads_alone, grads_packed, strict=True):
@@ -127,7 +130,8 @@ def test_unmasked_loss_is_the_plain_mean() -> None:
     logits = torch.randn(3, 5, 7)
     targets = torch.randint(7, (3, 5))
     torch.testing.assert_close(
-        token_cross_entropy(logits, targets), F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        token_cross_entropy(logits, targets),
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()),
     )
 
 
@@ -195,7 +199,9 @@ def _masked_rows(vocab: int, rows: int = 4, seq: int = 8) -> TensorDataset:
 def test_gradient_accumulation_averages_over_the_steps_targets_not_micro_batches() -> None:
     """Two micro-batches of very different target counts, one SGD step: the weights move as
     plain PyTorch's mean over all scored targets of the step says (not a mean of means)."""
-    config = dataclasses.replace(TransformerConfig.from_name("llama3-debug"), n_layer=1, block_size=8)
+    config = dataclasses.replace(
+        TransformerConfig.from_name("llama3-debug"), n_layer=1, block_size=8
+    )
     rows = _masked_rows(config.vocab_size)
     L.seed_everything(0, verbose=False)
     sgd = functools.partial(torch.optim.SGD, lr=1.0)
@@ -216,7 +222,9 @@ def test_gradient_accumulation_averages_over_the_steps_targets_not_micro_batches
         losses = [
             F.cross_entropy(model(x[i : i + 2]).flatten(0, 1), y[i : i + 2].flatten())
             if mean_of_means
-            else F.cross_entropy(model(x[i : i + 2]).flatten(0, 1), y[i : i + 2].flatten(), reduction="sum")
+            else F.cross_entropy(
+                model(x[i : i + 2]).flatten(0, 1), y[i : i + 2].flatten(), reduction="sum"
+            )
             for i in (0, 2)
         ]
         loss = sum(losses) / 2 if mean_of_means else sum(losses) / (y != IGNORE_INDEX).sum()
