@@ -3,6 +3,7 @@ and what a language model offers its users without Lightning."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,22 +45,92 @@ def generate(
     Raises:
         ValueError: If the cache is used and prompt plus new tokens exceed ``block_size``.
     """
+    stop_ids = () if eos_id is None else (eos_id,)
+    steps = generate_tokens(model, idx, max_new_tokens, temperature, top_k, use_cache, stop_ids)
+    return torch.cat([idx, *steps], dim=1)
+
+
+@torch.inference_mode()
+def generate_tokens(
+    model: Transformer,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    use_cache: bool = True,
+    stop_ids: Collection[int] = (),
+) -> Iterator[torch.Tensor]:
+    """The tokens :func:`generate` appends to ``idx`` ``(B, T)``, one ``(B, 1)`` per step,
+    each yielded as soon as it is drawn (to print a reply while it is written).
+
+    A row that has drawn one of ``stop_ids`` is finished: later steps give it that id again
+    (as :func:`generate` pads), and the steps end once every row is. Closing the iterator
+    early (``break``) frees the KV cache, as finishing does. The other arguments are
+    :func:`generate`'s.
+    """
     if use_cache:
         _setup_kv_cache(model, idx, max_new_tokens)
+    stops = torch.tensor(sorted(stop_ids), dtype=idx.dtype, device=idx.device)
+    stopped = torch.full_like(idx[:, :1], -1)  # (B, 1): the id a row stopped at, else -1
     try:
-        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for step in range(max_new_tokens):
             logits = _next_logits(model, idx, step, use_cache)  # (B, V)
             idx_next = _sample(logits, temperature, top_k)  # (B, 1)
-            if eos_id is not None:
-                idx_next = idx_next.masked_fill(done[:, None], eos_id)
-                done |= idx_next[:, 0] == eos_id
+            idx_next = torch.where(stopped >= 0, stopped, idx_next)
+            stopped = torch.where(torch.isin(idx_next, stops), idx_next, stopped)
             idx = torch.cat((idx, idx_next), dim=1)
-            if done.all():
-                break
-        return idx
+            yield idx_next
+            if (stopped >= 0).all():
+                return
     finally:
         model.clear_kv_cache()
+
+
+def complete(
+    model: Transformer,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    stop_ids: Collection[int] = (),
+    batch_size: int = 8,
+    **sampling: Any,
+) -> list[list[int]]:
+    """Each prompt's continuation by ``model``, up to (not including) its first stop id.
+
+    Prompts run up to ``batch_size`` at a time, but only with prompts of their own length:
+    the transformer takes no padding mask, so a left-padded row would attend to its pads
+    (and read its tokens at shifted positions). Greedy answers are thus exactly the
+    one-at-a-time ones.
+
+    Args:
+        model: The transformer (``eval()`` it first when its config has dropout).
+        prompts: Token ids of each prompt.
+        max_new_tokens: Most tokens to generate for each.
+        stop_ids: Ids that end an answer (end of turn, EOS).
+        batch_size: Most prompts run together.
+        **sampling: :func:`generate_tokens`'s ``temperature``, ``top_k``, ``use_cache``.
+    """
+    answers: list[list[int]] = [[] for _ in prompts]
+    device = next(model.parameters()).device
+    for rows in _equal_length_batches(prompts, batch_size):
+        idx = torch.tensor([list(prompts[i]) for i in rows], dtype=torch.long, device=device)
+        steps = generate_tokens(model, idx, max_new_tokens, stop_ids=stop_ids, **sampling)
+        new = torch.cat([idx[:, :0], *steps], dim=1).tolist()  # (rows, n)
+        for i, tokens in zip(rows, new, strict=True):
+            stop = next((j for j, t in enumerate(tokens) if t in stop_ids), len(tokens))
+            answers[i] = tokens[:stop]
+    return answers
+
+
+def _equal_length_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
+    """Indices of ``prompts`` in batches of at most ``batch_size`` prompts of one length."""
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    return [
+        rows[start : start + batch_size]
+        for rows in by_length.values()
+        for start in range(0, len(rows), batch_size)
+    ]
 
 
 def _setup_kv_cache(model: Transformer, idx: torch.Tensor, max_new_tokens: int) -> None:
@@ -111,9 +182,15 @@ class TextGenerator:
         """Longest sequence the model accepts (``block_size``)."""
         return self.config.block_size
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`."""
-        return self.model(tokens, input_pos)
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)``; see :meth:`Transformer.forward`
+        (``positions``: packed rows)."""
+        return self.model(tokens, input_pos, positions)
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
         """Extend the prompts ``idx`` ``(B, T)`` by up to ``max_new_tokens`` tokens; the

@@ -9,9 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from plugintrain.tools.bench import main as bench_main
+from plugintrain.tools.chat import main as chat_main
 from plugintrain.tools.compare import main as compare_main
 from plugintrain.tools.convert import convert_main, export_main
 from plugintrain.tools.estimate import main as estimate_main
+from plugintrain.tools.evaluate import main as evaluate_main
 from plugintrain.tools.generate import main as generate_main
 from plugintrain.tools.prepare import main as prepare_main
 from plugintrain.tools.recipes import main as recipes_main
@@ -29,6 +31,8 @@ def gpu_check_main(argv: Sequence[str]) -> int:
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "prepare": prepare_main,
     "generate": generate_main,
+    "chat": chat_main,
+    "evaluate": evaluate_main,
     "compare": compare_main,
     "schedule": schedule_main,
     "export": export_main,
@@ -54,6 +58,10 @@ Tools:
   prepare    build real datasets offline: plugintrain prepare shakespeare --tokenizer gpt2
   generate   sample text from a checkpoint or pretrained weights:
                plugintrain generate --ckpt_path smollm2-135m --prompt 'The capital of France is'
+               (or answer each conversation of a file: --chat conversations.jsonl)
+  chat       talk to a model in its chat template: plugintrain chat --weights smollm2-135m
+  evaluate   loss, perplexity, bits per byte, or a chat model's answers on held-out data:
+               plugintrain evaluate --weights last.ckpt --data data/shakespeare_gpt2
   export     a checkpoint for transformers, llm.c or llama.cpp:
                plugintrain export last.ckpt out_dir --format hf
   convert    weights between formats: plugintrain convert model.gguf out_dir --format hf

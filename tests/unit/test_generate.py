@@ -336,3 +336,148 @@ def test_default_device_is_cuda_when_available(monkeypatch):
     _one_gpu(monkeypatch)
     assert _device(None) == torch.device("cuda")
     assert _device("cuda:0") == torch.device("cuda", 0)
+
+
+# ---- tokens as they come, and answers to many prompts at once ------------------------------
+
+
+def test_generate_tokens_yields_what_generate_appends_and_frees_the_cache_when_closed():
+    from plugintrain.model_zoo.generation import generate_tokens
+
+    lm = _spread_lm("llama3-debug")
+    whole = lm.generate(_prompt(), 8, temperature=0.0)
+    steps = list(generate_tokens(lm.model, _prompt(), 8, temperature=0.0))
+    assert all(step.shape == (2, 1) for step in steps)
+    torch.testing.assert_close(torch.cat([_prompt(), *steps], dim=1), whole, rtol=0, atol=0)
+    stream = generate_tokens(lm.model, _prompt(), 8, temperature=0.0)
+    next(stream)
+    assert all(layer.attention.kv_cache is not None for layer in lm.model.layers.values())
+    stream.close()  # what a `break` out of the loop does
+    assert all(layer.attention.kv_cache is None for layer in lm.model.layers.values())
+
+
+def test_generate_tokens_ends_once_every_row_met_a_stop_id():
+    from plugintrain.model_zoo.generation import generate_tokens
+
+    lm = _spread_lm("gpt2-debug")
+    free = torch.cat(list(generate_tokens(lm.model, _prompt(), 10, temperature=0.0)), dim=1)
+    stops = {int(free[0, 1]), int(free[1, 3])}  # row 0 stops by step 2, row 1 by step 4
+    steps = torch.cat(
+        list(generate_tokens(lm.model, _prompt(), 10, temperature=0.0, stop_ids=stops)), dim=1
+    )
+    first = [next(i for i, t in enumerate(row.tolist()) if t in stops) for row in free]
+    assert steps.size(1) == max(first) + 1
+    for row, end in enumerate(first):  # the stop id repeats once a row is done
+        assert steps[row, : end + 1].tolist() == free[row, : end + 1].tolist()
+        assert steps[row, end:].eq(steps[row, end]).all()
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    rng = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 64, (n,), generator=rng).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])
+def test_batched_greedy_answers_equal_one_at_a_time(use_cache):
+    from plugintrain.model_zoo.generation import complete
+
+    lm = _spread_lm("llama3-debug")
+    prompts = _prompts([5, 3, 5, 7, 5, 3, 5])  # four of length 5: a full and a partial batch
+    options = {"temperature": 0.0, "use_cache": use_cache}
+    alone = [complete(lm.model, [p], 6, **options)[0] for p in prompts]
+    stops = {alone[0][2], alone[3][1]}  # some rows end early, mid-batch
+    batched = complete(lm.model, prompts, 6, stop_ids=stops, batch_size=3, **options)
+    expected = []
+    for prompt in prompts:
+        plain = _plain_decode(lm, torch.tensor([prompt]), 6, _greedy)[0, len(prompt) :].tolist()
+        end = next((i for i, t in enumerate(plain) if t in stops), len(plain))
+        expected.append(plain[:end])
+    assert batched == expected
+    assert [len(a) for a in batched[:4]] != [6] * 4  # the stops were met
+
+
+def _chat_lm(tmp_path):
+    """A tiny random Llama reading the SmolLM2 tokenizer (its GGUF has a chat template)."""
+    torch.manual_seed(0)
+    config = TransformerConfig.from_name(
+        "llama3-debug", vocab_size=49152, block_size=128, n_layer=1,
+        tokenizer="smollm2-135m", init_std=0.2,
+    )  # fmt: skip
+    lm = CausalLM(config)
+    lm.configure_model()
+    (tmp_path / "last.ckpt").write_bytes(b"stands for the model above")
+    return lm.eval()
+
+
+def _generate_chat(monkeypatch, capsys, tmp_path, lm, rows, *options) -> list[dict]:
+    import json
+
+    from plugintrain.cli import main
+    from plugintrain.tools import generate
+
+    monkeypatch.setattr(generate, "load_causal_lm", lambda path: lm)
+    conversations = tmp_path / "chats.jsonl"
+    conversations.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    argv = [f"--weights={tmp_path / 'last.ckpt'}", f"--chat={conversations}", "--device=cpu"]
+    assert main(["generate", *argv, "--temperature=0", "--max_new_tokens=5", *options]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_generate_chat_answers_each_conversation_in_batches_as_one_at_a_time(
+    monkeypatch, capsys, tmp_path
+):
+    lm = _chat_lm(tmp_path)
+    questions = ["Is it red?", "Is it big?", "Is it odd?", "Where is the nearest library?"]
+    rows = [[{"role": "user", "content": q}] for q in questions]
+    rows.append([*rows[0], {"role": "assistant", "content": "No."}, *rows[1]])
+    batched = _generate_chat(monkeypatch, capsys, tmp_path, lm, rows, "--batch_size=3")
+    alone = _generate_chat(monkeypatch, capsys, tmp_path, lm, rows, "--batch_size=1")
+    assert batched == alone
+    for out, messages in zip(batched, rows, strict=True):
+        assert out["messages"][:-1] == messages
+        assert out["messages"][-1]["role"] == "assistant" and out["messages"][-1]["content"]
+    # The answer is the greedy continuation of the prompt rendered in the chat template.
+    from plugintrain.data import get_tokenizer
+    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+
+    tokenizer = get_tokenizer("smollm2-135m")
+    encoder = ChatEncoder(tokenizer, load_chat_template("smollm2-135m"))
+    prompt = torch.tensor([encoder.encode_prompt(rows[3])])
+    plain = _plain_decode(lm, prompt, 5, _greedy)[0, prompt.size(1) :].tolist()
+    plain = plain[: next((i for i, t in enumerate(plain) if t in encoder.stop_ids), len(plain))]
+    assert batched[3]["messages"][-1]["content"] == tokenizer.decode(plain)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--chat=missing.jsonl"],
+         '--chat missing.jsonl: no such file; pass a .jsonl file of {"messages": [...]}'),
+        (["--batch_size=4"], "--batch_size goes with --chat FILE; drop it"),
+        (["--template=plain"], "--template goes with --chat FILE; drop it"),
+    ],
+    ids=["no-file", "batch_size-alone", "template-alone"],
+)  # fmt: skip
+def test_bad_chat_option_is_one_line_before_loading(capsys, argv, message):
+    from plugintrain.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--ckpt_path=missing.ckpt", *argv])
+    assert exit_info.value.code == 2
+    help_hint = "(`plugintrain generate --help` lists the options)"
+    assert capsys.readouterr().err == f"plugintrain generate: error: {message} {help_hint}\n"
+
+
+def test_a_chat_file_of_no_conversations_is_one_line_before_loading(capsys, tmp_path):
+    from plugintrain.cli import main
+
+    (tmp_path / "last.ckpt").write_bytes(b"not read")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n{"question": "Hi"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", f"--chat={chats}"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(
+        f"plugintrain generate: error: {chats}:2: no conversation (found ['question']);"
+    )

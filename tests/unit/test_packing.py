@@ -49,7 +49,8 @@ def test_a_packed_row_gives_each_examples_own_logits_and_gradients(preset: str) 
     # One at a time: each example alone, its summed next-token loss.
     alone = [model(e[None])[0] for e in examples]
     loss_alone = sum(
-        F.cross_entropy(lg[:-1], e[1:], reduction="sum") for lg, e in zip(alone, examples, strict=True)
+        F.cross_entropy(lg[:-1], e[1:], reduction="sum")
+        for lg, e in zip(alone, examples, strict=True)
     )
     grads_alone = torch.autograd.grad(loss_alone, list(model.parameters()), allow_unused=True)
     # Packed: one row, positions restarting at each example.

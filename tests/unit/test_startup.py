@@ -54,7 +54,7 @@ def _run(*argv: str) -> dict:
 @pytest.mark.parametrize(
     "command",
     ["prepare", "convert", "export", "estimate", "schedule", "generate", "compare", "bench",
-     "recipes", "gpu-check"],
+     "recipes", "gpu-check", "chat", "evaluate"],
 )  # fmt: skip
 def test_help_imports_neither_lightning_nor_torch(command: str) -> None:
     result = _run(command, "--help")
@@ -77,6 +77,9 @@ def test_help_of_the_training_commands_exits_0() -> None:
         (["recipes", "gpt2_debug_shakespeare_cpu"], []),
         (["prepare", "shakespeare", "--tokenizer", "gtp2"], []),  # a one-line error
         (["generate", "--ckpt_path", "missing.ckpt"], []),  # refused before loading
+        (["chat", "--weights", "missing.ckpt"], []),
+        (["evaluate", "--weights", "missing.ckpt", "--data", "data/missing"], []),
+        (["evaluate", "--weights", "smollm2-135m", "--data", "data/missing"], ["torch"]),
     ],
 )
 def test_commands_that_train_nothing_run_without_lightning(argv: list[str], heavy: list) -> None:
