@@ -1,0 +1,554 @@
+"""``plugintrain evaluate``: how well a model predicts held-out data, and how a chat model
+answers.
+
+``--data`` is one of:
+
+- a text folder (``plugintrain prepare text`` or ``prepare shakespeare``, or llm.c's
+  ``train.bin``/``val.bin``): the split is cut into non-overlapping windows of ``--seq_len``
+  tokens (default: the model's ``block_size``; a tail shorter than a window is left out,
+  as validation during ``fit`` does). Loss is the mean NLL per predicted token,
+  perplexity its exponential, and bits per byte the NLL over the UTF-8 bytes the targets
+  spell (the folder's ``token_bytes.npy``; left out without one).
+- a chat folder (``plugintrain prepare chat``): loss and perplexity over the tokens its
+  examples train on (``S.mask.npy``), and the greedy answers to ``S.messages.jsonl``'s
+  conversations (all messages but the last, which is the reference answer).
+- a ``.jsonl``/``.json`` file of conversations, each ending with the reference assistant
+  message: loss on the reference's tokens and the same answers.
+
+An answer ends at the template's end of turn or after ``--max_new_tokens``; it scores an
+exact match when it equals the reference once surrounding whitespace is stripped, and
+"contains" when the reference appears in it, ignoring case.
+
+The results print as a table; ``--json OUT`` writes them to OUT as one JSON object instead
+(``-``: to stdout), with every key present and null where the data has no such measure:
+``weights, adapter, data, split, examples, tokens, loss, perplexity, bits_per_byte,
+exact_match, contains``. Bad options and data end the command with one line and exit
+status 2, before the model loads where the model is not needed to tell.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import shlex
+import sys
+from argparse import Namespace
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from plugintrain.tools._args import ToolParser
+from plugintrain.tools._models import (
+    ADAPTER_HELP,
+    DEVICE_HELP,
+    WEIGHTS_HELP,
+    holds_conversations,
+    load_model,
+    missing_path,
+    model_tokenizer,
+    pick_device,
+    read_conversations,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from plugintrain.data.chat_templates import ChatEncoder
+    from plugintrain.model_zoo.generation import PretrainedLM
+
+TEXT, CHAT_FOLDER, CHAT_FILE = "text folder", "chat folder", "chat file"
+
+
+def _parser() -> ToolParser:
+    parser = ToolParser(
+        prog="plugintrain evaluate",
+        description="Loss, perplexity and bits per byte of a model on held-out data, or a chat"
+        " model's answers against reference answers.",
+    )
+    parser.add_argument("--weights", default=None, help=WEIGHTS_HELP)
+    parser.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+    parser.add_argument(
+        "--data",
+        required=True,
+        help="a folder of `plugintrain prepare text`/`shakespeare` (text) or `prepare chat`,"
+        " or a .jsonl/.json file of conversations ending with the reference answer",
+    )
+    parser.add_argument("--split", default=None, help="a folder's split (default: val)")
+    parser.add_argument(
+        "--seq_len", type=int, default=None, help="text: tokens a window (default: block_size)"
+    )
+    parser.add_argument(
+        "--max_new_tokens", type=int, default=128, help="chat: most tokens an answer"
+    )
+    parser.add_argument("--batch_size", type=int, default=8, help="windows or examples a batch")
+    parser.add_argument("--limit", type=int, default=None, help="the first N windows/examples")
+    parser.add_argument(
+        "--template",
+        default=None,
+        help="chat: a .jinja chat template, or plain (default: the model's own)",
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="OUT", help="write the results as JSON to OUT (-: stdout)"
+    )
+    parser.add_argument("--device", default=None, help=DEVICE_HELP)
+    return parser
+
+
+def _argument_problem(args: Namespace) -> str | None:
+    """What is wrong with the arguments, before any file is read; None when nothing is."""
+    for option in ("seq_len", "max_new_tokens", "batch_size", "limit"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            return f"--{option} must be >= 1, got {value}"
+    if args.weights is None and args.adapter is None:
+        return "pass --weights (a checkpoint or pretrained weights), or --adapter"
+    if args.template not in (None, "plain") and not Path(args.template).is_file():
+        return f"--template {args.template}: no such file; pass a .jinja file, or plain"
+    return missing_path("--weights", args.weights) or missing_path("--adapter", args.adapter)
+
+
+# ---- the data, read before the model loads ---------------------------------------------
+
+
+@dataclass
+class EvalData:
+    """What ``--data`` names, checked.
+
+    Args:
+        path: The folder or file.
+        kind: :data:`TEXT`, :data:`CHAT_FOLDER` or :data:`CHAT_FILE`.
+        split: A folder's split; None for a file.
+        meta: A folder's ``meta.json`` (``{}`` for llm.c files and chat files).
+        conversations: Conversations to answer (the first ``--limit``), each ending with
+            its reference answer; None when there are none (text; a chat folder without
+            ``S.messages.jsonl``).
+    """
+
+    path: Path
+    kind: str
+    split: str | None
+    meta: dict[str, Any]
+    conversations: list[list[dict[str, str]]] | None = None
+
+
+def open_data(path: Path, split: str | None, limit: int | None = None) -> EvalData:
+    """Recognize and check ``--data`` and ``--split``; of conversations, read the first
+    ``limit``.
+
+    Raises:
+        ValueError: Naming the path and the command that prepares what it should hold.
+    """
+    from plugintrain.data.token_shards import read_meta
+
+    if path.is_file():
+        if not holds_conversations(path):
+            raise ValueError(_not_data(path))
+        if split is not None:
+            raise ValueError(f"--split {split} picks a folder's split; drop it for {path}")
+        conversations = _with_references(read_conversations(path)[:limit], path)
+        return EvalData(path, CHAT_FILE, None, {}, conversations)
+    meta, split = read_meta(path) if path.is_dir() else {}, split or "val"
+    if meta.get("kind") == "chat":  # data.chat_datamodule.is_chat_folder, without Lightning
+        _check_split(path, split, list(meta.get("splits", {})), f"{split}.ids.npy")
+        _check_examples(path, meta, split)
+        file = path / f"{split}.messages.jsonl"
+        conversations = read_conversations(file)[:limit] if file.is_file() else None
+        return EvalData(path, CHAT_FOLDER, split, meta, _with_references(conversations, file))
+    splits = _text_splits(path, meta)
+    if not splits:
+        raise ValueError(_not_data(path))
+    _check_split(path, split, splits, None)
+    return EvalData(path, TEXT, split, meta)
+
+
+def _text_splits(path: Path, meta: dict[str, Any]) -> list[str]:
+    """The splits of a text folder: those its ``meta.json`` lists, else its llm.c files."""
+    from plugintrain.data.token_shards import is_text_shards
+
+    if is_text_shards(meta):
+        return list(meta["splits"])
+    files = sorted(path.glob("*.bin")) if path.is_dir() else []
+    return [file.name.removesuffix(".bin") for file in files]
+
+
+def _check_split(path: Path, split: str, splits: list[str], file: str | None) -> None:
+    if split not in splits or (file is not None and not (path / file).is_file()):
+        raise ValueError(
+            f"{path} holds no {split} split (it holds {', '.join(splits) or 'none'}); pass"
+            f" --split {splits[0] if splits else 'val'}, or prepare the data again"
+        )
+
+
+def _check_examples(path: Path, meta: dict[str, Any], split: str) -> None:
+    """Refuse a chat split that ``prepare chat`` left empty (its ``meta.json`` counts)."""
+    if meta["splits"][split].get("examples", 1) == 0:
+        raise ValueError(
+            f"{path} holds no {split} examples (its meta.json); prepare it again with a larger"
+            " --val_fraction or --val_examples"
+        )
+
+
+def _not_data(path: Path) -> str:
+    out = shlex.quote(str(path))
+    what = (
+        "no such file or directory"
+        if not path.exists()
+        else "not a file of conversations (.jsonl, .json, .parquet)"
+        if path.is_file()
+        else "holds no prepared data"
+    )
+    return (
+        f"--data {path}: {what}; pass a folder written by `plugintrain prepare text ... --out"
+        f" {out}`, `plugintrain prepare shakespeare --tokenizer T --out {out}` or `plugintrain"
+        f" prepare chat FILE.jsonl --tokenizer T --out {out}`, or a .jsonl file of"
+        ' {"messages": [...]} conversations'
+    )
+
+
+def _with_references(
+    conversations: list[list[dict[str, str]]] | None, path: Path
+) -> list[list[dict[str, str]]] | None:
+    """``conversations`` (of ``path``), checked to end with an assistant message that
+    follows another."""
+    for n, messages in enumerate(conversations or [], 1):
+        if len(messages) < 2 or messages[-1]["role"] != "assistant":
+            last = f"a lone {messages[0]['role']}" if len(messages) < 2 else messages[-1]["role"]
+            raise ValueError(
+                f"{path} conversation {n} ends with {last} message; end each with the"
+                " reference answer, an assistant message after the prompt's messages"
+            )
+    return conversations
+
+
+def _check_tokenizer(data: EvalData, module: PretrainedLM) -> None:
+    """Refuse a folder of another tokenizer's ids, or of a larger vocabulary."""
+    from plugintrain.data.tokenizers import tokenizer_spec
+
+    recorded, reads = data.meta.get("tokenizer"), model_tokenizer(module)
+    if recorded is not None and tokenizer_spec(recorded) != tokenizer_spec(reads):
+        raise ValueError(
+            f"{data.path} holds {recorded} tokens (its meta.json) but the model reads {reads}"
+            f" tokens; prepare the data again with --tokenizer {reads}"
+        )
+    if int(data.meta.get("vocab_size", 0)) > module.vocab_size:
+        raise ValueError(
+            f"{data.path} holds token ids up to {data.meta['vocab_size'] - 1} (its meta.json),"
+            f" outside the model's vocab_size={module.vocab_size}; prepare it with the model's"
+            " tokenizer"
+        )
+
+
+# ---- losses --------------------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    """Summed NLL (nats) of the scored targets, their number and the bytes they spell."""
+
+    nll: float = 0.0
+    tokens: int = 0
+    bytes: int = 0
+
+    def add(self, nll: torch.Tensor, scored: torch.Tensor, nbytes: torch.Tensor | None) -> None:
+        """Add the per-target ``nll`` ``(B, T)`` where ``scored``, and their bytes."""
+        self.nll += float(nll[scored].double().sum())
+        self.tokens += int(scored.sum())
+        self.bytes += 0 if nbytes is None else int(nbytes[scored].sum())
+
+
+def target_nll(module: PretrainedLM, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """NLL (nats, fp32) of each target ``y`` ``(B, T)`` after the tokens ``x`` ``(B, T)``
+    up to it: ``(B, T)``. One row's logits are upcast at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = module.model(x)  # (B, T, V)
+    rows = zip(logits, y, strict=True)
+    return torch.stack([F.cross_entropy(r.float(), t, reduction="none") for r, t in rows])
+
+
+def text_totals(
+    module: PretrainedLM, data: EvalData, seq_len: int, args: Namespace
+) -> tuple[Totals, int]:
+    """The totals over a text split's windows (the first ``--limit``), and their number."""
+    import torch
+
+    from plugintrain.data.prepared_folders import PreparedFolders
+    from plugintrain.data.token_bytes import read_token_bytes
+
+    name = f"{data.split}.bin"  # a folder of llm.c files; prepare text's meta.json lists shards
+    windows = PreparedFolders([data.path], name, name, None).windows(
+        data.split, seq_len, module.vocab_size
+    )
+    count = len(windows) if args.limit is None else min(args.limit, len(windows))
+    counts = read_token_bytes(data.path)
+    token_bytes = None if counts is None else torch.from_numpy(counts).to(module.device)
+    totals = Totals()
+    for start in range(0, count, args.batch_size):
+        rows = [windows[i] for i in range(start, min(start + args.batch_size, count))]
+        x, y = (torch.stack(column).to(module.device) for column in zip(*rows, strict=True))
+        nbytes = None if token_bytes is None else token_bytes[y]
+        totals.add(target_nll(module, x, y), torch.ones_like(y, dtype=torch.bool), nbytes)
+    return totals, count
+
+
+def chat_totals(
+    module: PretrainedLM,
+    examples: Iterable[tuple[np.ndarray, np.ndarray]],
+    batch_size: int,
+    source: Path,
+) -> tuple[Totals, int]:
+    """The totals over the target tokens of ``examples`` (ids, mask: True where the token
+    is a target) of ``source``, and their number.
+
+    Raises:
+        ValueError: If an example is longer than the model reads at once.
+    """
+    totals, count, batch = Totals(), 0, []
+    for ids, mask in examples:
+        count += 1
+        if len(ids) > module.max_seq_len + 1:
+            raise ValueError(
+                f"{source} example {count} holds {len(ids)} tokens, more than the model's"
+                f" block_size={module.max_seq_len} reads (+1 target); prepare the data with"
+                f" --seq_len {module.max_seq_len}"
+            )
+        batch.append((ids, mask))
+        if len(batch) == batch_size:
+            totals.add(*_scored_nll(module, batch))
+            batch = []
+    if batch:
+        totals.add(*_scored_nll(module, batch))
+    return totals, count
+
+
+def _scored_nll(
+    module: PretrainedLM, batch: list[tuple[np.ndarray, np.ndarray]]
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """Each target's NLL, and which are scored, of examples padded on the right: the pads
+    come after a row's tokens, so causal attention keeps them out of every scored one."""
+    import torch
+
+    width = max(1, max(len(ids) for ids, _ in batch) - 1)
+    x = torch.zeros(len(batch), width, dtype=torch.long)
+    y = torch.zeros(len(batch), width, dtype=torch.long)
+    scored = torch.zeros(len(batch), width, dtype=torch.bool)
+    for row, (ids, mask) in enumerate(batch):
+        ids, n = torch.from_numpy(ids.astype("int64")), len(ids) - 1
+        x[row, :n], y[row, :n] = ids[:-1], ids[1:]
+        scored[row, :n] = torch.from_numpy(mask[1:].astype(bool))  # token t+1 is a target
+    device = module.device
+    return target_nll(module, x.to(device), y.to(device)), scored.to(device), None
+
+
+def folder_examples(data: EvalData, limit: int | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The ids and target mask of each example of a chat folder's split (the first
+    ``limit``), memory-mapped."""
+    import numpy as np
+
+    ids = np.load(data.path / f"{data.split}.ids.npy", mmap_mode="r")  # (N,) uint32
+    mask = np.load(data.path / f"{data.split}.mask.npy", mmap_mode="r")  # (N,) uint8
+    offsets = np.load(data.path / f"{data.split}.offsets.npy")  # (n + 1,) int64
+    count = len(offsets) - 1 if limit is None else min(limit, len(offsets) - 1)
+    for start, end in itertools.pairwise(offsets[: count + 1]):
+        yield np.asarray(ids[start:end]), np.asarray(mask[start:end]).astype(bool)
+
+
+# ---- answers -------------------------------------------------------------------------------
+
+
+def answers(
+    module: PretrainedLM, encoder: ChatEncoder, data: EvalData, args: Namespace
+) -> list[list[int]]:
+    """The model's greedy answer (ids) to each of the data's conversations but its last
+    message.
+
+    Raises:
+        ValueError: If a prompt and ``--max_new_tokens`` do not fit in ``block_size``.
+    """
+    from plugintrain.model_zoo.generation import complete
+
+    prompts = [encoder.encode_prompt(messages[:-1]) for messages in data.conversations]
+    limit = module.max_seq_len
+    for n, prompt in enumerate(prompts, 1):
+        if len(prompt) + args.max_new_tokens > limit:
+            fix = (
+                f"pass --max_new_tokens {limit - len(prompt)}"
+                if len(prompt) < limit
+                else "drop it from the data"
+            )
+            raise ValueError(
+                f"{data.path} conversation {n}: its prompt's {len(prompt)} tokens +"
+                f" --max_new_tokens {args.max_new_tokens} exceed the model's"
+                f" block_size={limit}; {fix}"
+            )
+    return complete(
+        module.model,
+        prompts,
+        args.max_new_tokens,
+        encoder.stop_ids,
+        args.batch_size,
+        temperature=0.0,
+    )
+
+
+def score(answers: Sequence[str], references: Sequence[str]) -> tuple[float, float]:
+    """The fraction of ``answers`` that equal their reference (whitespace around either
+    stripped), and the fraction that contain it (ignoring case)."""
+    pairs = list(zip(answers, references, strict=True))
+    exact = sum(a.strip() == r.strip() for a, r in pairs)
+    contains = sum(r.strip().lower() in a.lower() for a, r in pairs)
+    return exact / len(pairs), contains / len(pairs)
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def evaluate(module: PretrainedLM, data: EvalData, args: Namespace) -> dict[str, Any]:
+    """The results of ``module`` (in eval mode, on its device) on ``data``."""
+    import torch
+
+    with torch.inference_mode():
+        if data.kind == TEXT:
+            totals, examples = text_totals(module, data, args.seq_len or module.max_seq_len, args)
+            return _results(args, data, totals, examples, None)
+        tokenizer, encoder = _chat_encoder(module, data, args.template)
+        if data.kind == CHAT_FOLDER:
+            examples = folder_examples(data, args.limit)
+        else:
+            examples = (encoder.encode(m, train_on="completion") for m in data.conversations)
+        totals, count = chat_totals(module, examples, args.batch_size, data.path)
+        scores = None
+        if data.conversations:
+            texts = [tokenizer.decode(a) for a in answers(module, encoder, data, args)]
+            scores = score(texts, [messages[-1]["content"] for messages in data.conversations])
+    return _results(args, data, totals, count, scores)
+
+
+def _chat_encoder(
+    module: PretrainedLM, data: EvalData, template: str | None
+) -> tuple[Any, ChatEncoder]:
+    """The model's tokenizer, and the encoder of conversations in ``template``; by default
+    the template a chat folder was prepared with where its origin can be read again
+    (``plain``, a file), else the model's own. A template other than the folder's (by
+    sha256) is noted on stderr: the answers are then prompted unlike the training data."""
+    from plugintrain.data import get_tokenizer
+    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+
+    recorded = data.meta.get("template") or {}
+    origin = recorded.get("origin")
+    if template is None and (origin == "plain" or (origin and Path(origin).is_file())):
+        template = origin
+    spec = model_tokenizer(module)
+    tokenizer = get_tokenizer(spec)
+    chat_template = load_chat_template(spec, template)
+    if recorded.get("sha256") not in (None, chat_template.sha256):
+        print(
+            f"plugintrain evaluate: {data.path} was prepared with the chat template of"
+            f" {origin}; the answers are prompted with another ({chat_template.origin});"
+            " pass --template to choose",
+            file=sys.stderr,
+        )
+    return tokenizer, ChatEncoder(tokenizer, chat_template)
+
+
+def _results(
+    args: Namespace,
+    data: EvalData,
+    totals: Totals,
+    examples: int,
+    scores: tuple[float, float] | None,
+) -> dict[str, Any]:
+    loss = totals.nll / totals.tokens if totals.tokens else None
+    return {
+        "weights": args.weights,
+        "adapter": args.adapter,
+        "data": str(data.path),
+        "split": data.split,
+        "examples": examples,
+        "tokens": totals.tokens,
+        "loss": loss,
+        "perplexity": None if loss is None else math.exp(loss),
+        "bits_per_byte": totals.nll / (math.log(2) * totals.bytes) if totals.bytes else None,
+        "exact_match": None if scores is None else scores[0],
+        "contains": None if scores is None else scores[1],
+    }
+
+
+_LABELS = {"bits_per_byte": "bits per byte", "exact_match": "exact match"}
+_FORMATS = {
+    "loss": "{:.4f}",
+    "perplexity": "{:.3f}",
+    "bits_per_byte": "{:.4f}",
+    "exact_match": "{:.1%}",
+    "contains": "{:.1%}",
+}
+
+
+def table(results: dict[str, Any]) -> str:
+    """``results`` as lines of name and value, the measures the data has."""
+    split = f" ({results['split']})" if results["split"] else ""
+    shown = {**results, "data": f"{results['data']}{split}", "split": None}
+    rows = {
+        _LABELS.get(key, key): _FORMATS.get(key, "{}").format(value)
+        for key, value in shown.items()
+        if value is not None
+    }
+    width = max(map(len, rows))
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows.items())
+
+
+def _options_problem(args: Namespace, data: EvalData) -> str | None:
+    """Options that do not apply to ``data``; None if none."""
+    if data.kind != TEXT and args.seq_len is not None:
+        return f"--seq_len cuts text into windows; {data.path} holds chat examples: drop it"
+    if data.kind == TEXT and args.template is not None:
+        return f"--template renders conversations; {data.path} holds text: drop it"
+    return None
+
+
+def _load(args: Namespace, data: EvalData, parser: ToolParser) -> PretrainedLM:
+    """The model on its device, checked against ``data``; a mismatch ends the command."""
+    try:
+        device = pick_device(args.device)
+        module = load_model(args.weights, args.adapter)
+        _check_tokenizer(data, module)
+    except (FileNotFoundError, ValueError) as error:  # incl. unsafe or truncated files
+        parser.error(str(error))
+    if args.seq_len is not None and args.seq_len > module.max_seq_len:
+        parser.error(
+            f"--seq_len {args.seq_len} exceeds the model's block_size={module.max_seq_len};"
+            f" pass --seq_len {module.max_seq_len}, or drop it"
+        )
+    return module.to(device)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``plugintrain evaluate``; prints the results (or writes them with ``--json``)."""
+    parser = _parser()
+    args = parser.parse_args(list(argv))
+    problem = _argument_problem(args)
+    if problem is not None:
+        parser.error(problem)
+    try:
+        data = open_data(Path(args.data), args.split, args.limit)
+    except ValueError as error:
+        parser.error(str(error))
+    problem = _options_problem(args, data)
+    if problem is not None:
+        parser.error(problem)
+    module = _load(args, data, parser)
+    try:
+        results = evaluate(module, data, args)
+    except (FileNotFoundError, ValueError) as error:  # the data, as the model reads it
+        parser.error(str(error))
+    if args.json is None:
+        print(table(results))
+    elif args.json == "-":
+        print(json.dumps(results))
+    else:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
