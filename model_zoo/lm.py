@@ -145,6 +145,12 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         loss = self.loss_fn(self(*_model_inputs(batch)), batch[1])
         self.record_loss("train", loss, batch)
         aux = self.model.take_aux_loss()  # MoE balance losses (logged as moe/aux_loss)
+        if aux is not None and self.loss_mask:
+            # The step's gradients are rescaled by positions / scored targets: weighing the
+            # balance loss by this batch's share of scored targets makes it, after that,
+            # the target-weighted mean of the micro-batches' balance losses.
+            targets = batch[1]
+            aux = aux * (targets != IGNORE_INDEX).sum() / targets.numel()
         return loss if aux is None else loss + aux
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:

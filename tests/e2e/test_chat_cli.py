@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +34,11 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "--checkpoint.every_n_train_steps=3",
         cwd=root, fresh_interpreter=False,
     )  # fmt: skip
-    return {"root": root, "folder": folder, "checkpoints": root / "runs/smollm2_lora_chat_cpu/checkpoints"}
+    return {
+        "root": root,
+        "folder": folder,
+        "checkpoints": root / "runs/smollm2_lora_chat_cpu/checkpoints",
+    }
 
 
 def test_the_recipe_trains_on_packed_masked_rows(chat_run: dict[str, Any]) -> None:
@@ -63,7 +66,9 @@ def test_generate_answers_each_conversation(chat_run: dict[str, Any], capsys) ->
     args = ["generate", "--weights", str(chat_run["checkpoints"]), "--chat", str(conversations),
             "--template", "plain", "--max_new_tokens", "4", "--temperature", "0"]  # fmt: skip
     assert main(args) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    rows = [
+        json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
+    ]
     assert len(rows) == 3
     for row in rows:
         assert row["messages"][:1] == ask[0]["messages"]
