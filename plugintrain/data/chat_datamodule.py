@@ -230,11 +230,15 @@ def _chat_meta(folder: Path, tokenizer: str | None, vocab_size: int | None) -> d
     within its vocabulary."""
     meta = read_meta(folder)
     if not is_chat_folder(meta):
+        # A folder with anything in it stays as it is: the chat examples go beside it.
+        empty = not folder.is_dir() or not any(folder.iterdir())
+        out = folder if empty else folder.with_name(f"{folder.name}_chat")
         what = "no meta.json" if not meta else "text tokens (plugintrain prepare text/shakespeare)"
         raise ValueError(
             f"{folder} holds {what}, not chat examples; prepare them with `plugintrain prepare"
-            f" chat FILE.jsonl --tokenizer T --out {shlex.quote(str(folder))}`, or train on it"
-            " with `data: class_path: plugintrain.data.TokenDataModule`"
+            f" chat FILE.jsonl --tokenizer T --out {shlex.quote(str(out))}` and pass"
+            f" `--data.init_args.data_dir {shlex.quote(str(out))}`, or train on text with"
+            " `data: class_path: plugintrain.data.TokenDataModule`"
         )
     recorded = meta.get("tokenizer")
     if tokenizer is not None and recorded and tokenizer_spec(recorded) != tokenizer_spec(tokenizer):

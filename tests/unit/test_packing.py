@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
+import re
 
 import lightning as L
 import numpy as np
@@ -19,6 +21,7 @@ from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX as LOSS_IGNORE_INDE
 from plugintrain.model_zoo.cross_entropy import chunked_cross_entropy, token_cross_entropy
 from plugintrain.model_zoo.layers import document_mask
 from plugintrain.precision_plugins import FP32Precision
+from plugintrain.tools.prepare import main as prepare_main
 
 LENGTHS = (5, 7, 4)  # three examples packed into one row of 16 (4 positions of padding)
 SEQ = 16
@@ -283,8 +286,17 @@ def test_a_chat_folder_and_a_text_datamodule_refuse_each_other(tmp_path) -> None
     text.mkdir()
     write_token_bin(text / "train.bin", list(range(64)))
     write_token_bin(text / "val.bin", list(range(64)))
-    with pytest.raises(ValueError, match=r"not chat examples; prepare them with `plugintrain"):
+    with pytest.raises(ValueError, match=r"not chat examples; prepare them with `plugintrain") as e:
         ChatDataModule(str(text))
+    # The hint's folder is beside the text folder, which `prepare chat` leaves alone.
+    hint = re.search(r"--out (\S+)` and pass `--data.init_args.data_dir (\S+)`", str(e.value))
+    assert hint and hint[1] == hint[2] == str(tmp_path / "text_chat")
+    rows = tmp_path / "rows.jsonl"
+    pairs = [{"prompt": f"{n} + 1?", "response": str(n + 1)} for n in range(3)]
+    rows.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    args = ["chat", str(rows), "--tokenizer", "gpt2", "--template", "plain", "--val_examples", "1"]
+    assert prepare_main([*args, "--out", hint[1]]) == 0
+    ChatDataModule(hint[2], tokenizer="gpt2")
     with pytest.raises(ValueError, match=r"example of 3 tokens, longer than seq_len=2"):
         ChatDataModule(str(chat), seq_len=2).setup("fit")
     with pytest.raises(ValueError, match=r"holds gpt2 tokens .* `--tokenizer llama3`"):
