@@ -97,8 +97,9 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     """
     document = (positions == 0).cumsum(dim=-1)  # (B, T) index of each token's document
     same = document[:, :, None] == document[:, None, :]  # (B, T, T)
-    causal = torch.ones(positions.size(-1), positions.size(-1), dtype=torch.bool,
-                        device=positions.device).tril_()
+    causal = torch.ones(
+        positions.size(-1), positions.size(-1), dtype=torch.bool, device=positions.device
+    ).tril_()
     return (same & causal)[:, None]  # (B, 1, T, T)
 
 

@@ -232,9 +232,7 @@ def _chunk_parameters(
     return chunks
 
 
-def _microbatches(
-    batch: Any, count: int
-) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+def _microbatches(batch: Any, count: int) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
     """``count`` micro-batches of inputs, targets and, for packed rows, positions."""
     x, y, *rest = batch
     if x.size(0) % count:
