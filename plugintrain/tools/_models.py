@@ -29,6 +29,11 @@ ADAPTER_HELP = (
     "a LoRA run's checkpoint: its adapters on the --weights base (default: the base the"
     " adapters were trained on), kept apart from the base weights"
 )
+MERGED_ADAPTER_HELP = (
+    "a LoRA run's checkpoint: its adapters on the --weights base (default: the base the"
+    " adapters were trained on), merged into the base weights (one matmul a layer, as"
+    " fast as the base)"
+)
 DEVICE_HELP = (
     "where the model runs: cpu, cuda, cuda:N, mps, ... (default: cuda when a GPU is"
     " available, else cpu)"

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, TextIO
 
 from plugintrain.tools._args import ToolParser
 from plugintrain.tools._models import (
-    ADAPTER_HELP,
     DEVICE_HELP,
+    MERGED_ADAPTER_HELP,
     WEIGHTS_HELP,
     load_model,
     missing_path,
@@ -46,7 +46,7 @@ def _parser() -> ToolParser:
         " /reset starts over, /exit (or Ctrl-D) ends the chat.",
     )
     parser.add_argument("--weights", default=None, help=WEIGHTS_HELP)
-    parser.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+    parser.add_argument("--adapter", default=None, help=MERGED_ADAPTER_HELP)
     parser.add_argument(
         "--template",
         default=None,
@@ -250,7 +250,7 @@ def _start(args: Namespace, parser: ToolParser) -> tuple[Chat, Conversation]:
 
     try:  # a bad --device is refused before the checkpoint is read
         device = pick_device(args.device)
-        module = load_model(args.weights, args.adapter)
+        module = load_model(args.weights, args.adapter, merge=True)
         spec = model_tokenizer(module)
         tokenizer = get_tokenizer(spec)
         encoder = ChatEncoder(tokenizer, load_chat_template(spec, args.template))

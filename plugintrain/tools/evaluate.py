@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from plugintrain.tools._args import ToolParser
 from plugintrain.tools._models import (
-    ADAPTER_HELP,
     DEVICE_HELP,
+    MERGED_ADAPTER_HELP,
     WEIGHTS_HELP,
     holds_conversations,
     load_model,
@@ -69,7 +69,7 @@ def _parser() -> ToolParser:
         " model's answers against reference answers.",
     )
     parser.add_argument("--weights", default=None, help=WEIGHTS_HELP)
-    parser.add_argument("--adapter", default=None, help=ADAPTER_HELP)
+    parser.add_argument("--adapter", default=None, help=MERGED_ADAPTER_HELP)
     parser.add_argument(
         "--data",
         required=True,
@@ -514,7 +514,7 @@ def _load(args: Namespace, data: EvalData, parser: ToolParser) -> PretrainedLM:
     """The model on its device, checked against ``data``; a mismatch ends the command."""
     try:
         device = pick_device(args.device)
-        module = load_model(args.weights, args.adapter)
+        module = load_model(args.weights, args.adapter, merge=True)
         _check_tokenizer(data, module)
     except (FileNotFoundError, ValueError) as error:  # incl. unsafe or truncated files
         parser.error(str(error))
