@@ -19,8 +19,8 @@ attention, ``w1`` and ``w3`` of a gated MLP: :data:`SHARED_INPUT_LAYERS`) share 
 that tensor (:class:`SharedInput`): one dropout mask, one matmul with their ``A`` stacked,
 a ``B`` each. Each adapter keeps its own parameters, names and math, ``y = x W^T + b +
 (alpha / r) dropout(x) A^T B^T``; only the mask is common to them, as in LitGPT's fused
-``qkv`` and in PEFT on a fused projection (issue 28: the three masks of q, k and v were
-17.6% of a SmolLM2 LoRA step on the CPU).
+``qkv`` and in PEFT on a fused projection (issue 28: a mask per adapter, three of them
+on q, k and v's one input, were 17.6% of a SmolLM2 LoRA step on the CPU).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import fnmatch
 import math
 import re
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,11 +87,19 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x W^T + b`` plus, unless merged, ``scaling * dropout(x) A^T B^T``."""
-        y = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         if self.merged:
-            return y
+            return self._base(x)
         h = self.shared.down(self, x) if self.shared is not None else _down((self,), x)[0]
-        return y + F.linear(h, self.lora_B).to(y.dtype)
+        if not _one_plain_dtype(x, self.weight, self.lora_B):
+            return self._base(x) + F.linear(h, self.lora_B).to(x.dtype)
+        # One addmm, B's matmul accumulating onto the base's (N, out) output: no output of
+        # its own and no separate addition.
+        rows = F.linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        rows = torch.addmm(rows, h.reshape(-1, self.r), self.lora_B.t())
+        return rows.view(*x.shape[:-1], self.out_features)
+
+    def _base(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
     def tp_placements(self, kind: str) -> dict[str, int | None]:
         """How the adapter splits when this layer is split ``kind`` (``colwise`` or
@@ -133,32 +142,88 @@ def _down(layers: Sequence[LoRALinear], x: Tensor) -> tuple[Tensor, ...]:
     """``scaling * dropout(x) A^T`` of each of ``layers`` (one rank, scaling and dropout):
     one dropout mask and one matmul, with their ``A`` stacked, for all of them."""
     first = layers[0]
-    x, keep = _dropout(x.to(first.lora_A.dtype), first.dropout if first.training else 0.0)
     a = first.lora_A if len(layers) == 1 else torch.cat([layer.lora_A for layer in layers])
-    # Scaled through A (r x in, small): under a row-wise split the adapter's output is a
-    # partial sum until the layer's one reduction, and scaling the input would keep a
-    # scaled copy of every adapted layer's activations for backward.
-    h = F.linear(x, a * (first.scaling * keep))  # (..., len(layers) * r)
+    p = first.dropout if first.training else 0.0
+    h = _dropped_linear(x.to(a.dtype), a, first.scaling, p)  # (..., len(layers) * r)
     return h.split(first.r, dim=-1) if len(layers) > 1 else (h,)
 
 
-def _dropout(x: Tensor, p: float) -> tuple[Tensor, float]:
-    """``x`` with each entry zeroed with probability ``p``, and the factor ``1 / (1 - p)``
-    the kept entries still need (the caller folds it into ``A``: a scalar on an ``r x in``
-    matrix rather than a pass over ``x``).
+def _dropped_linear(x: Tensor, a: Tensor, scaling: float, p: float) -> Tensor:
+    """``scaling * dropout(x, p) a^T``.
 
-    The mask is drawn as a float uniform against ``p`` (a Bernoulli draw, as CUDA's
-    dropout draws it: one 24-bit draw per entry, where ``bernoulli_`` on a CPU draws a
-    double) and kept for backward as a bool (``nn.Dropout`` on a CPU keeps a float, 4
-    bytes an entry). A DTensor (a tensor-parallel input) takes ``F.dropout``, whose mask
-    is consistent across the shards.
+    Scaled through ``a`` (r x in, small): under a row-wise split the adapter's output is
+    a partial sum until the layer's one reduction, and scaling the input would keep a
+    scaled copy of every adapted layer's activations for backward; dropout's ``1 / (1 -
+    p)`` goes there too where the mask is drawn here.
+
+    On a CPU (where ``nn.Dropout`` draws a double per entry, and keeps a float mask for
+    backward, 4 bytes an entry), below ``p = 0.1`` only the dropped entries are drawn
+    (:func:`_drops`, about ``p`` draws per entry) and zeroed by index in ``x``'s copy and
+    in its gradient (:class:`_DroppedLinear`: 8 bytes kept per dropped entry, no mask);
+    from ``p = 0.1`` a bool mask, one 31-bit uniform integer per entry against ``p *
+    2^31`` (``p`` rounded to a multiple of 2^-31). Elsewhere ``F.dropout`` (CUDA's is one
+    fused kernel), and on a DTensor (a tensor-parallel input) too, whose mask is
+    consistent across the shards.
     """
     if p == 0:
-        return x, 1.0
-    if type(x) is not Tensor:
-        return F.dropout(x, p), 1.0
-    kept = torch.rand(x.shape, device=x.device, dtype=torch.float32) >= p
-    return x * kept, 1 / (1 - p)
+        return F.linear(x, a * scaling)
+    if type(x) is not Tensor or x.device.type != "cpu":
+        return F.linear(F.dropout(x, p), a * scaling)
+    a = a * (scaling / (1 - p))
+    if p < 0.1:
+        return _DroppedLinear.apply(x, a, _drops(x.numel(), p))
+    kept = torch.empty(x.shape, dtype=torch.int32).random_() >= round(p * 2**31)
+    return F.linear(x * kept, a)
+
+
+class _DroppedLinear(torch.autograd.Function):
+    """``x a^T`` with the entries of ``x`` at flat ``indices`` zeroed. Backward zeroes the
+    same entries of ``x``'s gradient in place, in the product it computes itself (no copy
+    of a gradient that autograd hands over)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, a: Tensor, indices: Tensor) -> Tensor:
+        dropped = x.clone(memory_format=torch.contiguous_format)
+        dropped.view(-1).index_fill_(0, indices, 0)
+        ctx.save_for_backward(dropped, a, indices)
+        return F.linear(dropped, a)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        dropped, a, indices = ctx.saved_tensors
+        grad_x = grad_a = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ a  # (..., in)
+            grad_x.view(-1).index_fill_(0, indices, 0)
+        if ctx.needs_input_grad[1]:
+            rows = grad.reshape(-1, grad.size(-1))  # (N, r)
+            grad_a = rows.t() @ dropped.view(-1, dropped.size(-1))
+        return grad_x, grad_a, None
+
+
+def _drops(n: int, p: float, batch: int | None = None) -> Tensor:
+    """The indices in ``[0, n)`` of a Bernoulli(``p``) sequence's successes, from
+    geometric gaps drawn ``batch`` at a time (default: 6 sigma over the expected count, so
+    that one batch nearly always reaches ``n``)."""
+    batch = batch or int(n * p + 6 * math.sqrt(n * p * (1 - p))) + 16
+    # float64: exact integers up to 2^53, and a gap of inf (a uniform draw of 0) stays one.
+    ends = torch.empty(batch, dtype=torch.float64).geometric_(p).cumsum_(0)  # 1-based
+    while ends[-1] < n:
+        more = torch.empty(batch, dtype=torch.float64).geometric_(p).cumsum_(0)
+        ends = torch.cat((ends, more.add_(ends[-1])))
+    return ends[: int(torch.searchsorted(ends, n, right=True))].long() - 1
+
+
+def _plain_tensors(x: Tensor, *params: Tensor) -> bool:
+    """Whether ``x`` and ``params`` are plain tensors (not a tensor-parallel layer's)."""
+    return type(x) is Tensor and all(type(p) in (Tensor, nn.Parameter) for p in params)
+
+
+def _one_plain_dtype(x: Tensor, *params: Tensor) -> bool:
+    """:func:`_plain_tensors` all in ``x``'s dtype (no base stored in another), outside
+    autocast (where the base's output is cast back to ``x``'s dtype)."""
+    same = all(p.dtype == x.dtype for p in params)
+    return _plain_tensors(x, *params) and same and not torch.is_autocast_enabled(x.device.type)
 
 
 class SharedInput:
@@ -182,7 +247,7 @@ class SharedInput:
     def down(self, layer: LoRALinear, x: Tensor) -> Tensor:
         """``scaling * dropout(x) A^T`` of ``layer``, one of :attr:`layers`."""
         slot = self.layers.index(layer)
-        if slot == 0 and self._plain(x):
+        if slot == 0 and _plain_tensors(x, *(m.lora_A for m in self.layers)):
             first, *rest = _down(self.layers, x)
             self._input, self._pending = x, dict(enumerate(rest, start=1))
             return first
@@ -190,10 +255,6 @@ class SharedInput:
         if slot == len(self.layers) - 1:
             self._input, self._pending = None, {}
         return h if h is not None else _down((layer,), x)[0]
-
-    def _plain(self, x: Tensor) -> bool:
-        """Whether ``x`` and every ``A`` are plain tensors (not tensor-parallel DTensors)."""
-        return type(x) is Tensor and all(type(m.lora_A) is nn.Parameter for m in self.layers)
 
 
 SHARED_INPUT_LAYERS: dict[type[nn.Module], tuple[str, ...]] = {
