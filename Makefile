@@ -14,7 +14,7 @@ PROMPT ?= ROMEO:
 # Recipes log (and checkpoint) under runs/<recipe file name>.
 CHECKPOINTS = runs/$(basename $(notdir $(RECIPE)))/checkpoints
 
-.PHONY: setup train test lint format bench gpu-check clean
+.PHONY: setup train test lint format bench gpu-check interop-check clean
 
 setup: $(VENV)/.setup-done
 
@@ -61,6 +61,20 @@ bench: setup
 # The same CUDA checks as tests: $(BIN)/pytest -m gpu
 gpu-check: setup
 	$(BIN)/python -m plugintrain.tools.gpu_check
+
+# Every GGUF export checked with llama.cpp's own loader (interop/check.py): token ids,
+# logits (f32 KV cache) and a greedy answer, f32/f16/bf16/q8_0. llama-cpp-python is built
+# from source once (about 10-15 minutes on two cores) into a venv outside the repository.
+# Not part of `make test`.
+INTEROP_VENV ?= $(HOME)/.cache/plugintrain/interop/venv
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+interop-check: setup $(INTEROP_VENV)/.built
+	$(BIN)/python interop/check.py --llama-python $(INTEROP_VENV)/bin/python
+
+$(INTEROP_VENV)/.built:
+	$(PYTHON) -m venv $(INTEROP_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(INTEROP_VENV)/bin/pip install --quiet numpy "$(LLAMA_CPP_PYTHON)"
+	touch $@
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info .pytest_cache .ruff_cache

@@ -4,6 +4,7 @@ before any strategy shards it or builds its optimizers, adapter-only checkpoints
 from __future__ import annotations
 
 import copy
+import fnmatch
 import functools
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -55,6 +56,12 @@ class LoRA(Callback):
         base_dtype: Store the adapted layers' frozen weights in ``bf16`` (or ``fp16``) to
             halve their memory while the adapters train in the model's dtype; None keeps
             the model's dtype.
+        adapter: A PEFT adapter directory (``adapter_config.json`` and
+            ``adapter_model.safetensors``, e.g. ``plugintrain export --format peft``'s or
+            ``peft``'s ``save_pretrained``'s) to start the adapters from instead of
+            ``init``: its rank and scaling must be ``r`` and ``alpha / r``, and every
+            module it adapts one of ``target_modules``; targets it does not adapt start
+            as ``init`` says.
     """
 
     def __init__(
@@ -67,6 +74,7 @@ class LoRA(Callback):
         bias: str = "none",
         init: str = "kaiming",
         base_dtype: str | None = None,
+        adapter: str | None = None,
     ) -> None:
         default = lora.LoRASpec.target_modules
         self.spec = lora.LoRASpec(
@@ -79,6 +87,7 @@ class LoRA(Callback):
             init=init,
             base_dtype=base_dtype,
         )
+        self.adapter = adapter
         self.adapted: list[str] = []
         self._trained: set[str] = set()
         self._base_hash: Future[str] | None = None
@@ -94,12 +103,14 @@ class LoRA(Callback):
         allocated). ``plugintrain fit`` calls it before any process is launched."""
         if not is_overridden("configure_model", pl_module):
             lora.check(pl_module, self.spec)
+            self._peft_start(pl_module)
             return
         probe = copy.deepcopy(pl_module)  # not built yet: no weights to copy
         # Building draws a model's init seed: the real run's must not see the probe's draw.
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             probe.configure_model()
         lora.check(probe, self.spec)
+        self._peft_start(probe)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -129,12 +140,38 @@ class LoRA(Callback):
             pl_module.flops_per_token_adjustment = lora.flops_per_token_change(pl_module)
         if base_name(pl_module) is not None:
             pl_module.strict_loading = False  # the base weights come from their file
+        start = self._peft_start(pl_module)  # checked here, on meta, before any allocation
         on_meta = any(p.is_meta for p in pl_module.parameters())
         if on_meta and callable(getattr(pl_module, "init_weights", None)):
-            _after_init_weights(pl_module, self.spec.init)
+            _after_init_weights(pl_module, self.spec.init, start)
         else:
             seed = getattr(pl_module, "init_seed", None)
             lora.init_adapters(pl_module, draw_seed() if seed is None else seed, self.spec.init)
+            _copy_adapters(pl_module, start)
+
+    def _peft_start(self, pl_module: pl.LightningModule) -> dict[str, torch.Tensor]:
+        """The tensors of :attr:`adapter` by our parameter names (those this rank holds),
+        after checking that they fit this run's spec and targets."""
+        if self.adapter is None:
+            return {}
+        from plugintrain.formats.peft_adapters import read_peft
+
+        spec, tensors = read_peft(self.adapter, pl_module.config)
+        if spec.r != self.spec.r or abs(spec.alpha / spec.r - self.spec.alpha / self.spec.r) > 1e-9:
+            raise ValueError(
+                f"the PEFT adapter {self.adapter} has r={spec.r}, alpha={spec.alpha:g}; set the"
+                f" LoRA callback's r: {spec.r} and alpha: {spec.alpha:g} to continue it"
+            )
+        modules = {f"model.{name.rpartition('.')[0]}" for name in tensors}
+        patterns = self.spec.target_modules
+        outside = sorted(m for m in modules if not any(fnmatch.fnmatch(m, p) for p in patterns))
+        if outside:
+            raise ValueError(
+                f"the PEFT adapter {self.adapter} adapts {outside[0]}, which the LoRA callback's"
+                f" target_modules {list(self.spec.target_modules)} do not match; add it"
+            )
+        held = {name for name, _ in pl_module.named_parameters()}
+        return {f"model.{n}": t for n, t in tensors.items() if f"model.{n}" in held}
 
     @override
     def on_save_checkpoint(
@@ -264,14 +301,29 @@ def _after_configure_model(pl_module: pl.LightningModule, hook: Any) -> None:
     pl_module.configure_model = configure_model
 
 
-def _after_init_weights(pl_module: pl.LightningModule, init: str) -> None:
+def _after_init_weights(
+    pl_module: pl.LightningModule, init: str, start: dict[str, torch.Tensor]
+) -> None:
     """Make the strategy's ``init_weights`` call (after the model is materialized, with
-    the broadcast seed) initialize the adapters too."""
+    the broadcast seed) initialize the adapters too, then copy in ``start``."""
     original = pl_module.init_weights
 
     def init_weights() -> None:
         original()
         with torch.no_grad():
             lora.init_adapters(pl_module, pl_module.init_seed, init)
+        _copy_adapters(pl_module, start)
 
     pl_module.init_weights = init_weights
+
+
+@torch.no_grad()
+def _copy_adapters(pl_module: pl.LightningModule, start: dict[str, torch.Tensor]) -> None:
+    """Copy whole adapter tensors into the module's parameters, each rank its own box of a
+    sharded one (tensor parallel, FSDP2)."""
+    from plugintrain.core.tensor_boxes import local_box, select
+
+    params = dict(pl_module.named_parameters())
+    for name, tensor in start.items():
+        local, box = local_box(params[name])
+        local.copy_(select(tensor, box, (0,) * tensor.ndim))

@@ -29,7 +29,7 @@ from plugintrain.data.assets import resolve_model_path
 from plugintrain.data.gguf_metadata import GGUFTensorInfo, is_gguf, read_gguf_header
 from plugintrain.data.tokenizers import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
 from plugintrain.formats.base import WeightFormatError
-from plugintrain.formats.gguf_vocabulary import gguf_vocabulary
+from plugintrain.formats.tokenizer_files import hf_gguf_vocabulary, tiktoken_gguf_vocabulary
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
 from plugintrain.model_zoo.families import FAMILIES, by_gguf_architecture, family_of
 from plugintrain.model_zoo.layers import rope_frequencies
@@ -334,10 +334,12 @@ def write_gguf(weights: Any, out: Path, kind: str) -> None:
             f"{config.name} ({config.family}) cannot be written as GGUF: plugintrain writes"
             f" llama.cpp's architectures for {writable}; export it with --format hf instead."
         )
+    fields = _tokenizer_fields(config, weights.tokenizer)  # a refusal comes before any write
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(config.name)
     _add_architecture(writer, arch, config)
-    _add_tokenizer(writer, config, weights.tokenizer)
+    for key, value in fields.items():
+        _add_field(writer, key, value)
     tensors = _gguf_plan(weights, arch)
     for gguf_name, (shape, _) in tensors.items():
         qtype = _tensor_type(shape, kind)
@@ -408,22 +410,30 @@ def _add_architecture(writer: Any, arch: str, config: TransformerConfig) -> None
         writer.add_rope_scaling_orig_ctx_len(config.rope_scaling.original_max_position_embeddings)
 
 
-def _add_tokenizer(writer: Any, config: TransformerConfig, tokenizer: str | None) -> None:
-    """The vocabulary llama.cpp needs to run the model: a GGUF source's tokenizer fields as
-    they were, or GPT-2's / Llama 3's tokenizer spelled out when the model uses it. Types
-    follow llama.cpp: token ids uint32, token types int32, scores float32."""
+def _tokenizer_fields(config: TransformerConfig, tokenizer: str | None) -> dict[str, Any]:
+    """The ``tokenizer.*`` fields llama.cpp needs to run the model, as its own converter
+    writes them: a GGUF source's as they were; GPT-2's or Llama 3's tokenizer spelled out
+    (pre-tokenizer ``gpt-2`` / ``llama-bpe``, BOS/EOS, add-BOS); a Hugging Face
+    directory's ``tokenizer.json`` with its chat template. Types follow llama.cpp: token
+    types int32, ids uint32.
 
+    Raises:
+        WeightFormatError: If the tokenizer is one llama.cpp would run differently.
+    """
     spec = tokenizer or family_tokenizer(config.family)
+    if spec is None:
+        return {}
     if spec in TOKENIZER_NAMES:
         tok = get_tokenizer(spec)
-        fields = gguf_vocabulary(tok) if tok.vocab_size == config.vocab_size else {}
-    elif spec is not None and is_gguf(resolve_model_path(spec)):
-        fields = read_gguf_header(resolve_model_path(spec))[0]
-    else:
-        fields = {}
-    for key, value in fields.items():
-        if key.startswith("tokenizer."):
-            _add_field(writer, key, value)
+        return tiktoken_gguf_vocabulary(tok) if tok.vocab_size == config.vocab_size else {}
+    path = resolve_model_path(spec)
+    if is_gguf(path):
+        fields = read_gguf_header(path)[0]
+        return {k: v for k, v in fields.items() if k.startswith("tokenizer.")}
+    try:
+        return hf_gguf_vocabulary(get_tokenizer(spec), spec)
+    except ValueError as error:
+        raise WeightFormatError(f"{config.name} cannot be written as GGUF: {error}.") from None
 
 
 def _add_field(writer: Any, key: str, value: Any) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,16 +17,16 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from plugintrain.checkpoints.files import consecutive_groups, load_torch_file
-from plugintrain.data.tokenizers import get_tokenizer
+from plugintrain.data.tokenizers import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
 from plugintrain.formats.base import WeightFormatError
 from plugintrain.formats.safetensors_io import DTYPES, write_safetensors
+from plugintrain.formats.tokenizer_files import write_hf_tokenizer
 from plugintrain.model_zoo.families import FAMILIES, by_hf_model_type, family_of
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 TORCH_BIN = "pytorch_model.bin"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MAX_SHARD_BYTES = 5 * 2**30
 """Hugging Face's default shard size: larger exports are split, with an index."""
 
@@ -143,10 +142,14 @@ def write_hf(
 ) -> None:
     """Write ``weights`` (our names) as a Hugging Face model directory ``out`` (which must
     not exist yet): ``config.json``, safetensors shards of at most ``max_shard_bytes``
-    (with an index when there are several) and the tokenizer files when the weights came
-    with a Hugging Face one. Tensors are built and written one at a time."""
+    (with an index when there are several) and the tokenizer files of the tokenizer the
+    model reads (:func:`write_hf_tokenizer`: ``AutoTokenizer`` gives plugintrain's ids).
+    Tensors are built and written one at a time."""
     family = family_of(weights.config)
-    tokenizer = _tokenizer(weights.tokenizer)  # resolved before anything is written
+    spec = weights.tokenizer or family_tokenizer(weights.config.family)
+    if spec is not None and spec in TOKENIZER_NAMES:  # a debug model's smaller vocabulary
+        spec = spec if get_tokenizer(spec).vocab_size <= weights.config.vocab_size else None
+    tokenizer = _tokenizer(spec)  # resolved before anything is written
     plan = family.hf_export_plan(weights.config)
     shapes = {name: _planned_shape(weights, rule) for name, rule in plan.items()}
 
@@ -187,7 +190,8 @@ def write_hf(
     if tokenizer is not None:
         hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     _write_json(out / CONFIG, hf_config)
-    _copy_tokenizer(weights.tokenizer, tokenizer, out)
+    if tokenizer is not None:
+        write_hf_tokenizer(spec, tokenizer, out, weights.config.block_size)
 
 
 def _planned_shape(weights: Any, rule: Any) -> tuple[int, ...]:
@@ -199,26 +203,6 @@ def _tokenizer(spec: str | None) -> Any:
     """The tokenizer the weights came with (None when they name none)."""
 
     return None if spec is None else get_tokenizer(spec)
-
-
-def _copy_tokenizer(spec: str | None, tokenizer: Any, out: Path) -> None:
-    """The tokenizer that came with the weights, for ``transformers``: a Hugging Face
-    directory's files as they are, or a GGUF's embedded vocabulary as ``tokenizer.json``
-    (GPT-2's and Llama 3's own tokenizers are left to their published files)."""
-    if spec is None or not hasattr(tokenizer, "backend"):
-        return
-    if Path(spec).is_dir():
-        for name in TOKENIZER_FILES:
-            if (Path(spec) / name).is_file():
-                shutil.copyfile(Path(spec) / name, out / name)
-        return
-    tokenizer.backend.save(str(out / "tokenizer.json"))
-    specials = {v: k for k, v in tokenizer.special_tokens.items()}
-    _write_json(
-        out / "tokenizer_config.json",
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": specials.get(tokenizer.bos_id),
-         "eos_token": specials.get(tokenizer.eos_id), "add_bos_token": False},
-    )  # fmt: skip
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ Each tool is a function ``(argv) -> exit code`` registered in :data:`TOOLS`; the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 from plugintrain.tools.bench import main as bench_main
@@ -28,6 +29,17 @@ def gpu_check_main(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def lm_eval_main(argv: Sequence[str]) -> int:
+    """``plugintrain lm-eval``: lm-evaluation-harness's command line with plugintrain's
+    model type registered (lm_eval is imported only here: an optional dependency)."""
+    try:
+        from plugintrain.tools.lm_eval_model import lm_eval_main as run
+    except ImportError as error:
+        print(f"plugintrain lm-eval: {error}; pip install lm_eval==0.4.13", file=sys.stderr)
+        return 2
+    return run(argv)
+
+
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "prepare": prepare_main,
     "generate": generate_main,
@@ -41,6 +53,7 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "bench": bench_main,
     "recipes": recipes_main,
     "gpu-check": gpu_check_main,
+    "lm-eval": lm_eval_main,
 }
 
 _OVERVIEW = """\
@@ -62,8 +75,11 @@ Tools:
   chat       talk to a model in its chat template: plugintrain chat --weights smollm2-135m
   evaluate   loss, perplexity, bits per byte, or a chat model's answers on held-out data:
                plugintrain evaluate --weights last.ckpt --data data/shakespeare_gpt2
-  export     a checkpoint for transformers, llm.c or llama.cpp:
-               plugintrain export last.ckpt out_dir --format hf
+               (or lm-evaluation-harness tasks: --tasks hellaswag,gsm8k)
+  lm-eval    lm-evaluation-harness's own command line, with --model plugintrain:
+               plugintrain lm-eval run --model plugintrain --model_args weights=W --tasks T
+  export     a checkpoint for transformers, llm.c or llama.cpp, or its LoRA adapters for peft:
+               plugintrain export last.ckpt out_dir --format hf (or peft)
   convert    weights between formats: plugintrain convert model.gguf out_dir --format hf
   compare    diff two runs' losses/module stats: plugintrain compare RUN_A RUN_B --dtype bf16
   schedule   simulate a pipeline schedule: plugintrain schedule --pp 4 --vpp 2 --microbatches 8

@@ -26,13 +26,14 @@ WEIGHTS_HELP = (
     " means its base with the adapters merged"
 )
 ADAPTER_HELP = (
-    "a LoRA run's checkpoint: its adapters on the --weights base (default: the base the"
-    " adapters were trained on), kept apart from the base weights"
+    "a LoRA run's checkpoint, or a PEFT adapter directory: its adapters on the --weights"
+    " base (default: the base the adapters were trained on), kept apart from the base"
+    " weights"
 )
 MERGED_ADAPTER_HELP = (
-    "a LoRA run's checkpoint: its adapters on the --weights base (default: the base the"
-    " adapters were trained on), merged into the base weights (one matmul a layer, as"
-    " fast as the base)"
+    "a LoRA run's checkpoint, or a PEFT adapter directory: its adapters on the --weights"
+    " base (default: the base the adapters were trained on), merged into the base weights"
+    " (one matmul a layer, as fast as the base)"
 )
 DEVICE_HELP = (
     "where the model runs: cpu, cuda, cuda:N, mps, ... (default: cuda when a GPU is"
@@ -137,6 +138,44 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> Pretrai
     return module
 
 
+def load_with_peft_adapter(weights: str | None, adapter: str, merge: bool) -> PretrainedLM:
+    """The base model ``weights`` (default: the adapter's ``base_model_name_or_path``,
+    where that is a path or a pretrained name plugintrain knows) with the PEFT adapter
+    directory ``adapter`` in it, merged into its weights if ``merge``."""
+    import torch
+
+    from plugintrain.data.assets import PRETRAINED_MODELS
+    from plugintrain.formats.checkpoint import PREFIX
+    from plugintrain.formats.peft_adapters import read_peft, read_peft_config
+    from plugintrain.model_zoo import lora
+
+    named = read_peft_config(adapter).get("base_model_name_or_path")
+    known = named is not None and (named in PRETRAINED_MODELS or Path(named).exists())
+    base = weights or (named if known else None)
+    if base is None:
+        raise ValueError(
+            f"--adapter {adapter} is a PEFT adapter whose base {named!r} is not here; pass"
+            " --weights BASE (the model it was trained on: a Hugging Face directory, GGUF,"
+            " checkpoint or pretrained name)"
+        )
+    module = load_causal_lm(base)
+    spec, tensors = read_peft(adapter, module.config)
+    lora.inject(module, spec)
+    params = dict(module.named_parameters())
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            param = params[f"{PREFIX}{name}"]
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"--adapter {adapter}: {name} is {tuple(tensor.shape)}, but {base}'s is"
+                    f" {tuple(param.shape)}; pass the --weights the adapter was trained on"
+                )
+            param.copy_(tensor)
+    if merge:
+        lora.merge(module)
+    return module
+
+
 def load_model(weights: str | None, adapter: str | None, merge: bool = False) -> PretrainedLM:
     """The model of ``--weights`` and ``--adapter`` as ``plugintrain generate`` loads it
     (a run's checkpoint directory meaning its newest checkpoint), in eval mode.
@@ -144,6 +183,10 @@ def load_model(weights: str | None, adapter: str | None, merge: bool = False) ->
     Raises:
         FileNotFoundError, ValueError: A one-line message naming the file and the fix.
     """
+    from plugintrain.formats.peft_adapters import is_peft_dir
+
+    if adapter is not None and is_peft_dir(adapter):
+        return load_with_peft_adapter(newest_in(weights), adapter, merge).eval()
     weights, adapter = newest_in(weights), newest_in(adapter)
     if adapter is None:
         return load_causal_lm(weights).eval()

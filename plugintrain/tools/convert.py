@@ -17,6 +17,7 @@ from pathlib import Path
 from plugintrain.tools._args import ToolParser
 
 _FORMATS = ("hf", "llmc", "gguf")  # plugintrain.formats.FORMATS, known before torch loads
+_EXPORT_FORMATS = (*_FORMATS, "peft")  # a LoRA run's adapters alone, for peft / vLLM
 _DTYPES = ("float32", "bfloat16", "float16", "q8_0")  # each held by some format
 
 
@@ -30,13 +31,30 @@ def _parser(command: str) -> ToolParser:
     )
     parser = ToolParser(
         prog=f"plugintrain {command}",
-        description=f"Write {what} as a Hugging Face directory, an llm.c model file or GGUF.",
+        description=f"Write {what} as a Hugging Face directory, an llm.c model file or GGUF"
+        + (
+            " (or a LoRA run's adapters as a PEFT adapter directory)."
+            if command == "export"
+            else "."
+        ),
     )
     parser.add_argument("source", metavar=source, help=what)
     parser.add_argument(
-        "out", metavar="OUT", help="output: a directory for hf, a file for llmc and gguf"
+        "out", metavar="OUT", help="output: a directory for hf and peft, a file for llmc and gguf"
     )
-    parser.add_argument("--format", choices=_FORMATS, required=True, help="output format")
+    parser.add_argument(
+        "--format",
+        choices=_EXPORT_FORMATS if command == "export" else _FORMATS,
+        required=True,
+        help="output format"
+        + (
+            "; peft: a LoRA run's adapters as PEFT writes them (adapter_config.json and"
+            " adapter_model.safetensors, Hugging Face module names), for peft, transformers"
+            " and vLLM"
+            if command == "export"
+            else ""
+        ),
+    )
     parser.add_argument(
         "--dtype",
         choices=_DTYPES,
@@ -64,7 +82,12 @@ def _problem(args: object, command: str) -> str | None:
     source, out = str(args.source), Path(args.out)
     if not Path(source).exists() and source not in PRETRAINED_MODELS:
         return f"{source}: no such file or directory; pass a checkpoint or model path"
-    if args.dtype is not None and dtype_problem(args.format, args.dtype) is not None:
+    if args.format == "peft":
+        if args.dtype not in (None, "float32") or args.merge_lora:
+            return (
+                "--format peft writes the adapters alone, in float32; drop --dtype and --merge-lora"
+            )
+    elif args.dtype is not None and dtype_problem(args.format, args.dtype) is not None:
         return dtype_problem(args.format, args.dtype)
     try:
         check_output(out, args.overwrite)
@@ -104,6 +127,8 @@ def _run(command: str, argv: Sequence[str]) -> int:
             f" `plugintrain convert {args.source} {args.out} --format {args.format}` for"
             " weights in other formats"
         )
+    if args.format == "peft":
+        return _export_peft(args, parser)
     try:
         problem = _adapter_problem(args)
     except ValueError as error:  # a damaged checkpoint, named
@@ -116,6 +141,20 @@ def _run(command: str, argv: Sequence[str]) -> int:
         parser.error(str(error))
     summary = {"source": str(args.source), "out": args.out, "format": args.format,
                "model": weights.config.name, "tensors": len(weights.names())}  # fmt: skip
+    print(json.dumps(summary))
+    return 0
+
+
+def _export_peft(args: object, parser: ToolParser) -> int:
+    from plugintrain.formats.peft_adapters import export_peft
+
+    try:
+        config = export_peft(args.source, Path(args.out), args.overwrite)
+    except (ValueError, FileExistsError) as error:
+        parser.error(str(error))
+    summary = {"source": str(args.source), "out": args.out, "format": "peft",
+               "r": config["r"], "lora_alpha": config["lora_alpha"],
+               "modules": len(config["target_modules"])}  # fmt: skip
     print(json.dumps(summary))
     return 0
 

@@ -72,10 +72,20 @@ def _parser() -> ToolParser:
     parser.add_argument("--adapter", default=None, help=MERGED_ADAPTER_HELP)
     parser.add_argument(
         "--data",
-        required=True,
+        default=None,
         help="a folder of `plugintrain prepare text`/`shakespeare` (text) or `prepare chat`,"
         " or a .jsonl/.json file of conversations ending with the reference answer",
     )
+    parser.add_argument(
+        "--tasks",
+        default=None,
+        help="instead of --data: lm-evaluation-harness tasks, comma-separated (hellaswag,"
+        "gsm8k, or your own from --include_path), run by lm_eval with plugintrain's model",
+    )
+    parser.add_argument(
+        "--include_path", default=None, help="--tasks: a folder of your own lm-eval task YAMLs"
+    )
+    parser.add_argument("--num_fewshot", type=int, default=None, help="--tasks: few-shot examples")
     parser.add_argument("--split", default=None, help="a folder's split (default: val)")
     parser.add_argument(
         "--seq_len", type=int, default=None, help="text: tokens a window (default: block_size)"
@@ -105,6 +115,14 @@ def _argument_problem(args: Namespace) -> str | None:
             return f"--{option} must be >= 1, got {value}"
     if args.weights is None and args.adapter is None:
         return "pass --weights (a checkpoint or pretrained weights), or --adapter"
+    if (args.data is None) == (args.tasks is None):
+        return (
+            "pass --data (a prepared folder or a chat file) or --tasks (lm-eval tasks), one of them"
+        )
+    if args.tasks is None and (args.include_path or args.num_fewshot is not None):
+        return "--include_path and --num_fewshot go with --tasks; drop them or pass --tasks"
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        return f"--include_path {args.include_path}: no such folder; pass your task YAMLs' folder"
     if args.template not in (None, "plain") and not Path(args.template).is_file():
         return f"--template {args.template}: no such file; pass a .jinja file, or plain"
     return missing_path("--weights", args.weights) or missing_path("--adapter", args.adapter)
@@ -533,6 +551,8 @@ def main(argv: Sequence[str]) -> int:
     problem = _argument_problem(args)
     if problem is not None:
         parser.error(problem)
+    if args.tasks is not None:
+        return _run_tasks(args, parser)
     try:
         data = open_data(Path(args.data), args.split, args.limit)
     except ValueError as error:
@@ -551,4 +571,44 @@ def main(argv: Sequence[str]) -> int:
         print(json.dumps(results))
     else:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+def _run_tasks(args: Namespace, parser: ToolParser) -> int:
+    """``--tasks``: lm-evaluation-harness's tasks on plugintrain's model
+    (:class:`plugintrain.tools.lm_eval_model.PluginTrainLM`); lm-eval's table, or its
+    ``results`` as JSON."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        from plugintrain.tools.lm_eval_model import PluginTrainLM
+    except ImportError as error:
+        parser.error(f"--tasks runs lm-evaluation-harness: {error}; pip install lm_eval==0.4.13")
+    manager = TaskManager(include_path=args.include_path)
+    tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        parser.error(
+            f"--tasks {unknown[0]}: lm-eval knows no such task; `plugintrain lm-eval ls tasks`"
+            " lists them (add --include_path for a folder of your own task YAMLs)"
+        )
+    try:
+        model = PluginTrainLM(
+            weights=args.weights, adapter=args.adapter, device=args.device,
+            batch_size=args.batch_size, max_gen_toks=args.max_new_tokens,
+        )  # fmt: skip
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(str(error))
+    results = lm_eval.simple_evaluate(
+        model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
+        task_manager=manager, log_samples=False,
+    )  # fmt: skip
+    if args.json is None:
+        from lm_eval.utils import make_table
+
+        print(make_table(results))
+    else:
+        text = json.dumps({"tasks": results["results"]}, indent=2, default=str)
+        print(text) if args.json == "-" else Path(args.json).write_text(text + "\n")
     return 0

@@ -19,11 +19,9 @@ from plugintrain.tools._models import (
     ADAPTER_HELP,
     DEVICE_HELP,
     WEIGHTS_HELP,
-    load_causal_lm,
-    load_with_adapter,
+    load_model,
     missing_path,
     model_tokenizer,
-    newest_in,
     read_conversations,
 )
 from plugintrain.tools._models import pick_device as _device
@@ -183,6 +181,7 @@ def _print_samples(
     import torch
 
     ids = torch.tensor([prompt], dtype=torch.long, device=module.device)
+    lead = int(bool(getattr(tokenizer, "add_bos", False)) and prompt[:1] == [tokenizer.bos_id])
     for i in range(args.num_samples):
         out = module.generate(
             ids,
@@ -192,12 +191,13 @@ def _print_samples(
             use_cache=not args.no_cache,
         )
         tokens = out[0].tolist()
+        text = tokenizer.decode(tokens[lead:])  # the text, without the BOS the model read
         if args.json:
-            print(json.dumps({"sample": i, "text": tokenizer.decode(tokens), "tokens": tokens}))
+            print(json.dumps({"sample": i, "text": text, "tokens": tokens}))
             continue
         if args.num_samples > 1:
             print(f"--- sample {i}")
-        print(tokenizer.decode(tokens))
+        print(text)
 
 
 def _print_answers(
@@ -241,11 +241,7 @@ def _load(
     try:  # a bad --device or --tokenizer is refused before the checkpoint is read
         device = _device(args.device)
         tokenizer = get_tokenizer(args.tokenizer) if args.tokenizer else None
-        args.ckpt_path, args.adapter = newest_in(args.ckpt_path), newest_in(args.adapter)
-        if args.adapter is None:
-            module = load_causal_lm(args.ckpt_path)
-        else:
-            module = load_with_adapter(args.ckpt_path, args.adapter, args.merge_lora)
+        module = load_model(args.ckpt_path, args.adapter, args.merge_lora)
         spec = args.tokenizer or model_tokenizer(module)
         tokenizer = tokenizer or get_tokenizer(spec)
         encoder = None if args.chat is None else _chat_encoder(tokenizer, spec, args.template)
@@ -283,7 +279,10 @@ def main(argv: Sequence[str]) -> int:
     if encoder is not None:
         _print_answers(module, tokenizer, encoder, conversations, args, parser)
         return 0
-    prompt = tokenizer.encode("\n" if args.prompt is None else args.prompt)
+    # BOS as the family's own tokenizer does it (Llama 3 leads every text with it; GPT-2
+    # and SmolLM2 do not), read from the tokenizer's configuration, as llama.cpp does.
+    text = "\n" if args.prompt is None else args.prompt
+    prompt = tokenizer.encode(text, bos=bool(getattr(tokenizer, "add_bos", False)))
     problem = _prompt_problem(prompt, args, module)
     if problem is not None:
         parser.error(problem)

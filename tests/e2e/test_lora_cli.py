@@ -5,6 +5,7 @@ options end in one line before anything is launched."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,7 @@ def test_generate_merged_or_not_agrees(lora_run: dict[str, Any], capsys) -> None
 
 def test_export_merged_loads_in_transformers(lora_run: dict[str, Any], tmp_path: Path, capsys):
     """transformers' logits of the exported merged model == ours with adapters unmerged."""
-    from plugintrain.tools.generate import load_with_adapter
+    from plugintrain.tools._models import load_with_adapter
 
     ckpt, out = str(lora_run["checkpoint"]), tmp_path / "merged"
     message = _error(capsys, "export", ckpt, str(out), "--format", "hf")
@@ -242,3 +243,31 @@ def test_generate_takes_a_run_directory(lora_run: dict[str, Any], capsys) -> Non
     directory = lora_run["checkpoint"].parent
     from_directory = _generate(capsys, "--adapter", str(directory))
     assert from_directory == _generate(capsys, "--adapter", str(newest_complete(directory)))
+
+
+def test_export_peft_loads_in_peft_and_back(lora_run: dict[str, Any], tmp_path: Path, capsys):
+    """``export --format peft``: ``peft``'s PeftModel on the base gives our logits (base +
+    adapters, unmerged); ``generate --adapter`` of the PEFT directory samples what the
+    run's checkpoint does; a whole model or a merge is refused in one line."""
+    import peft
+
+    from plugintrain.tools._models import load_with_adapter
+
+    ckpt, out = str(lora_run["checkpoint"]), tmp_path / "adapter"
+    message = _error(capsys, "export", ckpt, str(out), "--format", "peft", "--merge-lora")
+    assert "drop --dtype and --merge-lora" in message and not out.exists()
+    assert main(["export", ckpt, str(out), "--format", "peft"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["r"] == 4 and summary["modules"] == 2 * len(TARGETS)
+    x = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    ours = load_with_adapter(str(lora_run["base"]), ckpt, merge=False).eval()
+    hf = transformers.LlamaForCausalLM.from_pretrained(lora_run["base"])
+    model = peft.PeftModel.from_pretrained(hf, out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+    from_peft = _generate(capsys, "--weights", str(lora_run["base"]), "--adapter", str(out))
+    assert from_peft == _generate(capsys, "--adapter", ckpt)
+    message = _error(
+        capsys, "export", str(lora_run["base"]), str(tmp_path / "x"), "--format", "peft"
+    )
+    assert "is not a checkpoint written by `plugintrain fit`" in message

@@ -23,7 +23,7 @@ from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.data import get_tokenizer
 from plugintrain.data.assets import resolve_model_path
 from plugintrain.data.token_bin import read_token_bin
-from plugintrain.tools.generate import load_causal_lm
+from plugintrain.tools._models import load_causal_lm
 
 from _cli import RECIPES, REPO, run_cli
 

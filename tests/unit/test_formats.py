@@ -569,7 +569,7 @@ def test_causal_lm_starts_from_weights_and_its_checkpoint_needs_no_file(tmp_path
     from torch.utils.data import DataLoader, TensorDataset
 
     from plugintrain.model_zoo import CausalLM
-    from plugintrain.tools.generate import load_causal_lm
+    from plugintrain.tools._models import load_causal_lm
 
     hf = _llama()
     source = _saved(hf, tmp_path / "hf")
@@ -592,7 +592,7 @@ def test_causal_lm_starts_from_weights_and_its_checkpoint_needs_no_file(tmp_path
 
 
 def test_generate_reads_every_format(tmp_path: Path) -> None:
-    from plugintrain.tools.generate import load_causal_lm
+    from plugintrain.tools._models import load_causal_lm
 
     hf = _gpt2()
     source = _saved(hf, tmp_path / "hf")
