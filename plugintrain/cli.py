@@ -41,12 +41,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.argv[1:] = args
         from plugintrain.lightning_cli import PluginTrainCLI
 
-        PluginTrainCLI(args=None if argv is None else args)
+        cli = PluginTrainCLI(args=None if argv is None else args)
     except ConfigError as error:
         # The last line printed, and the only one: the value and the fix.
         print(f"plugintrain {args[0]}: error: {error}", file=sys.stderr)
         return 2
-    return 0
+    # 128 + the signal's number when a signal stopped the run (GracefulStop), else 0.
+    status = getattr(cli, "exit_status", 0)
+    if status and argv is None:  # a command's own process: no finalization to wait for
+        from plugintrain.callbacks.graceful_stop import exit_stopped_process
+
+        exit_stopped_process(status)
+    return status
 
 
 def _check_command(command: str, commands: Sequence[str]) -> None:

@@ -32,6 +32,7 @@ from typing_extensions import override
 import plugintrain.strategies
 from plugintrain.callbacks import (
     CountedFlopsSummary,
+    GracefulStop,
     PhaseProfiler,
     StepProgressBar,
     StepStatsMonitor,
@@ -184,6 +185,14 @@ def _set_matmul_precision(precision: str | None) -> None:
     """Apply ``--matmul_precision`` before the Trainer exists (its callbacks read it)."""
     if precision is not None:
         torch.set_float32_matmul_precision(precision)
+
+
+def _graceful_stop(config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+    """A :class:`GracefulStop` in every run (its signals and exit statuses), unless the
+    configured callbacks hold one already."""
+    given = config.get("callbacks") or []
+    present = [*(given if isinstance(given, list) else [given]), *callbacks]
+    return [] if any(isinstance(c, GracefulStop) for c in present) else [GracefulStop()]
 
 
 def _phase_profiler(enabled: bool, config: dict[str, Any]) -> list[Callback]:
@@ -364,11 +373,14 @@ class PluginTrainCLI(LightningCLI):
         _use_our_checkpoint_io(config)
         _set_matmul_precision(self._get(self.config_init, "matmul_precision"))
         profiler = _phase_profiler(bool(self._get(self.config_init, "profile_phases")), config)
+        stop = _graceful_stop(config, callbacks)
         return super()._instantiate_trainer(
-            config, [*callbacks, *profiler, *_display_callbacks(config, callbacks)]
+            config, [*callbacks, *profiler, *stop, *_display_callbacks(config, callbacks)]
         )
 
     @override
     def _run_subcommand(self, subcommand: str) -> None:
         self._launched = True  # from here on, errors are the run's, with their tracebacks
         super()._run_subcommand(subcommand)
+        stopped = [c.status for c in self.trainer.callbacks if isinstance(c, GracefulStop)]
+        self.exit_status = next((s for s in stopped if s is not None), 0)

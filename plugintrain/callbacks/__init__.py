@@ -1,6 +1,7 @@
 """Callbacks shipped with plugintrain."""
 
 from plugintrain.callbacks.display import CountedFlopsSummary, StepProgressBar
+from plugintrain.callbacks.graceful_stop import GracefulStop
 from plugintrain.callbacks.lora import LoRA
 from plugintrain.callbacks.phase_profiler import PhaseProfiler
 from plugintrain.callbacks.precision_check import PrecisionCheck
@@ -9,6 +10,7 @@ from plugintrain.callbacks.throughput import TokenThroughputMonitor
 
 __all__ = [
     "CountedFlopsSummary",
+    "GracefulStop",
     "LoRA",
     "PhaseProfiler",
     "PrecisionCheck",

@@ -222,7 +222,7 @@ def test_bad_tokenizer_is_one_line_before_the_checkpoint_is_read(capsys, tmp_pat
     from plugintrain.tools import generate
 
     (tmp_path / "last.ckpt").write_bytes(b"not read")
-    monkeypatch.setattr(generate, "load_causal_lm", lambda path: pytest.fail("checkpoint read"))
+    monkeypatch.setattr(generate, "load_model", lambda *a, **k: pytest.fail("checkpoint read"))
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", "--tokenizer=gtp2"])
     assert exit_info.value.code == 2
@@ -260,7 +260,7 @@ def test_the_tokenizer_that_came_with_the_weights_reads_the_prompt(capsys, tmp_p
     from plugintrain.tools import generate
 
     lm = _bpe_lm(tmp_path)
-    monkeypatch.setattr(generate, "load_causal_lm", lambda path: lm)
+    monkeypatch.setattr(generate, "load_model", lambda *args, **kwargs: lm)
     args = ["--prompt=the winter of", "--max_new_tokens=4", "--temperature=0", "--json"]
     assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", *args]) == 0
     sample = json.loads(capsys.readouterr().out)
@@ -282,7 +282,7 @@ def test_device_cpu_runs_the_model_there(capsys, tmp_path, monkeypatch):
 
     lm = _bpe_lm(tmp_path)
     moved = []
-    monkeypatch.setattr(generate, "load_causal_lm", lambda path: lm)
+    monkeypatch.setattr(generate, "load_model", lambda *args, **kwargs: lm)
     monkeypatch.setattr(lm, "to", lambda device: moved.append(device) or lm)
     args = ["--prompt=the winter of", "--max_new_tokens=3", "--temperature=0", "--json"]
     assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", *args, "--device=cpu"]) == 0
@@ -320,7 +320,7 @@ def test_unavailable_device_is_one_line_before_loading(
 
     machine(monkeypatch)
     (tmp_path / "last.ckpt").write_bytes(b"not read")
-    monkeypatch.setattr(generate, "load_causal_lm", lambda path: pytest.fail("checkpoint read"))
+    monkeypatch.setattr(generate, "load_model", lambda *a, **k: pytest.fail("checkpoint read"))
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", f"--device={device}"])
     assert exit_info.value.code == 2
@@ -415,7 +415,7 @@ def _generate_chat(monkeypatch, capsys, tmp_path, lm, rows, *options) -> list[di
     from plugintrain.cli import main
     from plugintrain.tools import generate
 
-    monkeypatch.setattr(generate, "load_causal_lm", lambda path: lm)
+    monkeypatch.setattr(generate, "load_model", lambda *args, **kwargs: lm)
     conversations = tmp_path / "chats.jsonl"
     conversations.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
     argv = [f"--weights={tmp_path / 'last.ckpt'}", f"--chat={conversations}", "--device=cpu"]
