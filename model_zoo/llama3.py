@@ -62,6 +62,28 @@ _llama3(
     tie_embeddings=False,
     rope_scaling=_LLAMA31_SCALING,
 )
+# The sizes of the published Llama 3.1 70B and 405B (Meta's params.json), for planning
+# runs at the scales they take (`plugintrain estimate ... --dry_run`).
+_llama3(
+    "llama3.1-70b",
+    n_layer=80,
+    n_head=64,
+    n_kv_head=8,
+    n_embd=8192,
+    intermediate_size=28672,
+    tie_embeddings=False,
+    rope_scaling=_LLAMA31_SCALING,
+)
+_llama3(
+    "llama3.1-405b",
+    n_layer=126,
+    n_head=128,
+    n_kv_head=8,
+    n_embd=16384,
+    intermediate_size=53248,
+    tie_embeddings=False,
+    rope_scaling=_LLAMA31_SCALING,
+)
 # Tiny CPU model with GQA and the full Llama 3 RoPE scaling (~16M parameters, mostly the
 # embedding). A short original context makes the scaling change frequencies at this size.
 _llama3(

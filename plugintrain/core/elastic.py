@@ -15,8 +15,12 @@ def elastic_restart() -> bool:
 
 
 def launching_rank() -> bool:
-    """The process that runs before any other rank exists, or global rank 0 under torchrun."""
-    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+    """The process that runs before any other rank exists, or global rank 0 under torchrun
+    (``RANK``) or ``srun`` (``SLURM_PROCID``, when nothing else set a rank)."""
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return os.environ[name] == "0"
+    return True
 
 
 def init_restarted_process_group(backend: str, timeout: timedelta | None) -> None:

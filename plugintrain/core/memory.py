@@ -44,19 +44,22 @@ _ADOPT_STORAGE = (
 
 
 def _storage_ptrs(value: Any) -> set[int]:
-    """Addresses of the storages ``value`` (a tensor, a DTensor's local shard) holds."""
-    if not isinstance(value, Tensor) or value.is_meta:
+    """Keys of the storages ``value`` (a tensor, a DTensor's local shard) holds: their
+    addresses, or on the meta device (no addresses) the storages' C++ objects."""
+    if not isinstance(value, Tensor):
         return set()
     if is_traceable_wrapper_subclass(value):
         return {
             p for attr in value.__tensor_flatten__()[0] for p in _storage_ptrs(getattr(value, attr))
         }
-    ptr = value.untyped_storage().data_ptr()
+    storage = value.untyped_storage()
+    ptr = storage._cdata if value.is_meta else storage.data_ptr()
     return {ptr} if ptr else set()
 
 
 class LiveTensorMemory(TorchDispatchMode):
-    """Bytes of live tensor storage on one device type (``"cpu"`` by default), with the peak.
+    """Bytes of live tensor storage on one device type (``"cpu"`` by default; ``"meta"``
+    counts the bytes unallocated tensors would take), with the peak.
 
     Attributes:
         live_bytes: Bytes of the storages currently alive that the mode has seen.
@@ -114,7 +117,7 @@ class LiveTensorMemory(TorchDispatchMode):
                 if isinstance(inner, Tensor):
                     self._see(inner, new)
             return
-        if tensor.device.type != self.device_type or tensor.is_meta:
+        if tensor.device.type != self.device_type:  # "meta": a dry run's unallocated tensors
             return
         storage = tensor.untyped_storage()
         key = id(storage)

@@ -79,6 +79,18 @@ def _parser() -> argparse.ArgumentParser:
     add("--gpus", type=int, default=None, help="with --fit: up to this many devices (default 8)")
     add("--top", type=int, default=20, help="with --fit: print this many layouts (default 20)")
     add("--json", action="store_true", help="print one JSON object instead of a table")
+    add("--dry_run", action="store_true",
+        help="build the ranks on the real code path (fake process group, meta tensors) and"
+             " report what each holds next to the estimate, and every problem found")  # fmt: skip
+    add("--ranks", default="sample", metavar="sample|all|R,R,...",
+        help="with --dry_run: one rank of each kind (default), every rank (also checks that"
+             " every parameter is stepped exactly once), or these global ranks")  # fmt: skip
+    add(
+        "--memory",
+        default=None,
+        metavar="MEMORY",
+        help="with --dry_run: report every rank whose total exceeds MEMORY (80GiB, 141GB)",
+    )
     return parser
 
 
@@ -226,6 +238,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = load_config(args.model)
         layout = _layout(args, config)
+        if args.dry_run:
+            return _dry_run(args, config, layout)
         if args.fit is None:
             result = estimate(config, layout)
         else:
@@ -244,3 +258,26 @@ def main(argv: Sequence[str]) -> int:
     else:
         print(fit_table(fits, memory, gpus, args.top))
     return 0
+
+
+def _dry_run(args: argparse.Namespace, config: TransformerConfig, layout: Layout) -> int:
+    """``--dry_run``: the chosen ranks built (see :mod:`plugintrain.estimate.dry_run`), their
+    bytes next to the estimate's, then every problem found, one line each (exit 2)."""
+    from plugintrain.estimate import estimate, parse_bytes
+    from plugintrain.estimate.dry_run import dry_run, parse_ranks
+
+    if args.fit is not None:
+        raise ValueError("--dry_run checks one layout; leave out --fit (or run --fit alone)")
+    memory = None if args.memory is None else parse_bytes(args.memory)
+    ranks = parse_ranks(args.ranks, layout)
+    layout.check(config)
+    expected = estimate(config, layout)
+    report = dry_run(config, layout, ranks, expected, memory)
+    if args.json:
+        print(json.dumps(report.as_json()))
+    else:
+        print(f"{config.name}: {describe(layout)}")
+        print(report.table(size))
+    for line in report.problems:
+        print(f"plugintrain estimate: {line}", file=sys.stderr)
+    return 2 if report.problems else 0

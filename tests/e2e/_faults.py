@@ -61,3 +61,15 @@ class SlowSteps(Callback):
     def on_train_batch_end(self, *args) -> None:
         if os.path.exists(self.after):
             time.sleep(self.seconds)
+
+
+class TouchAt(Callback):
+    """Create the file ``path`` after training step ``step`` on global rank 0 (a test's
+    sign that the run is training, without checkpoints)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            open(self.path, "a").close()

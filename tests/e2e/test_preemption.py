@@ -29,7 +29,8 @@ from plugintrain.checkpoints.files import is_complete, load_torch_file
 from _cli import RECIPES, REPO, logged_losses, run_cli
 
 STEPS = 6
-DRAW = random.Random()
+SEED = int(os.environ.get("PLUGINTRAIN_TEST_SEED", random.randrange(2**31)))
+DRAW = random.Random(SEED)  # PLUGINTRAIN_TEST_SEED=N replays a failure's draw
 GPT2 = RECIPES / "gpt2_debug_shakespeare_cpu.yaml"
 FAST = [
     "--data.init_args.seq_len=32", "--trainer.limit_val_batches=0",
@@ -105,7 +106,7 @@ def test_sigterm_saves_the_step_and_last_resumes_it_exactly(layout, shakespeare_
     run_cli(*_args(layout, shakespeare_gpt2, clean), cwd=tmp_path, fresh_interpreter=False, ranks=2)
     per_step = LAYOUTS[layout][2]
     batch = DRAW.randrange(0, (STEPS - 1) * per_step)  # any micro-batch before the last step
-    why = f"SIGTERM to rank 1 at the start of micro-batch {batch}"
+    why = f"SIGTERM to rank 1 at the start of micro-batch {batch} (PLUGINTRAIN_TEST_SEED={SEED})"
     args = _args(layout, shakespeare_gpt2, stopped)
     proc = run_cli(*args, _signal_at(batch, 1, "SIGTERM"), cwd=tmp_path, exit_code=143,
                    fresh_interpreter=False, ranks=2)  # fmt: skip
@@ -124,11 +125,16 @@ SLURM_ARGS = ["--trainer.strategy=zero2", "--trainer.num_nodes=2", "--trainer.de
               "--data.init_args.batch_size=2"]  # fmt: skip
 
 
-def _srun(data: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> list[int]:
-    """The command as ``srun`` starts it on 2 nodes x 2 tasks: the ranks' exit statuses."""
+def _srun(
+    data: Path, out: Path, *extra: str, env: dict[str, str] | None = None, pids: Path | None = None
+) -> list[int]:
+    """The command as ``srun`` starts it on 2 nodes x 2 tasks: the ranks' exit statuses
+    (their process ids written to ``pids``, for the stand-in ``scontrol``)."""
     args = ["fit", "--config", str(GPT2), f"--data.init_args.data_dir={data}",
             f"--trainer.logger.init_args.save_dir={out}", *FAST, *SLURM_ARGS, *extra]  # fmt: skip
     run = forked(args, out.parent, 4, slurm_nodes=2, env=env)
+    if pids is not None:
+        pids.write_text(" ".join(map(str, run.pids)))
     took = run.finish(600)
     assert took is not None, f"the SLURM run hung:\n{run.output}"
     out.mkdir(parents=True, exist_ok=True)
@@ -166,20 +172,21 @@ def test_slurm_sigusr1_saves_requeues_and_the_requeued_job_resumes(
     slurm_run, shakespeare_gpt2, tmp_path
 ):
     """SLURM's ``--signal=USR1@90`` reaches every task; rank 0 requeues the job once
-    (``scontrol requeue 4242``), every task exits 138, and the requeued job (the same
-    command, ``SLURM_RESTART_COUNT=1``) resumes from the saved step to the uninterrupted
-    run's weights."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol_calls"
+    (``scontrol requeue 4242``, which, as SLURM does, then sends SIGTERM to every task:
+    ignored, the stop is under way) while the others wait, every task exits 138, and the
+    requeued job (the same command, ``SLURM_RESTART_COUNT=1``) resumes from the saved step
+    to the uninterrupted run's weights."""
+    bin_dir, calls, pids = tmp_path / "bin", tmp_path / "scontrol_calls", tmp_path / "pids"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nkill -TERM $(cat {pids})\n')
     scontrol.chmod(0o755)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     out = tmp_path / "runs"
     batch = DRAW.randrange(0, STEPS - 1)
-    why = f"SIGUSR1 to every task at the start of batch {batch}"
+    why = f"SIGUSR1 to every task at the start of batch {batch} (PLUGINTRAIN_TEST_SEED={SEED})"
     usr1 = [_signal_at(batch, rank, "SIGUSR1") for rank in range(4)]
-    statuses = _srun(shakespeare_gpt2, out, "--ckpt_path=last", *usr1, env=env)
+    statuses = _srun(shakespeare_gpt2, out, "--ckpt_path=last", *usr1, env=env, pids=pids)
     output = (out / "output.txt").read_text()
     assert statuses == [138] * 4, f"{why}\n{output}"
     assert calls.read_text().splitlines() == ["requeue 4242"], f"{why}\n{output}"

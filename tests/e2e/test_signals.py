@@ -94,12 +94,13 @@ def _checkpoints(out: Path) -> Path:
     return next(out.glob("*/checkpoints"), out / "none")
 
 
-def _start(args: list[str], cwd: Path, mode: str, out: Path) -> Run:
-    """The run, once it has published its first ``last`` checkpoint (it is training)."""
+def _start(args: list[str], cwd: Path, mode: str, out: Path, ready: Path | None = None) -> Run:
+    """The run, once it has published its first ``last`` checkpoint (or created the file
+    ``ready``): it is training."""
     ranks = 1 if "--trainer.devices=1" in args else 2
     run = forked(args, cwd, ranks) if mode == "forked" else launched(args, cwd)
     deadline = time.monotonic() + 300
-    while not is_complete(_checkpoints(out) / "last.ckpt"):
+    while not (ready.exists() if ready else is_complete(_checkpoints(out) / "last.ckpt")):
         if run.wait_all(0.2) is not None or time.monotonic() > deadline:
             run.finish(0)
             pytest.fail(f"the run ended or hung before its first checkpoint:\n{run.output}")
@@ -143,7 +144,8 @@ def test_a_signal_stops_every_rank_cleanly(layout, name, target, mode, request, 
 
 
 def test_a_second_ctrl_c_stops_at_once(request, tmp_path) -> None:
-    """The first SIGINT waits for the step (made to take 2 s here); the second exits then."""
+    """The first SIGINT waits for the batch (made to take 2 s here); the second exits at
+    once."""
     out = tmp_path / "runs"
     trigger = tmp_path / "slow"
     slow = json.dumps(
@@ -158,10 +160,43 @@ def test_a_second_ctrl_c_stops_at_once(request, tmp_path) -> None:
     time.sleep(0.3)
     run.signal(signal.SIGINT, "group")
     took = run.finish(HUNG)
-    assert took is not None and took < GONE_WITHIN, run.output
+    assert took is not None and took < 1.5, f"{took} s after the second SIGINT\n{run.output}"
     assert run.statuses == [130, 130], run.output
     assert "SIGINT again: stopping now" in run.output, run.output
     assert _saved_step(_checkpoints(out) / "last.ckpt") >= 2  # the periodic save, intact
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["one-sigint", "two-sigints"])
+def test_a_rank_blocked_in_a_collective_still_stops(second, request, tmp_path) -> None:
+    """Rank 1 frozen (SIGSTOP): rank 0 waits in a collective, where Python runs no signal
+    handler. SIGINT to rank 0 still ends it: after ``grace`` (5 s) with one line saying a
+    rank is gone, or at once on a second SIGINT. (No periodic checkpoints: a save in
+    progress is never timed out.)"""
+    out, ready = tmp_path / "runs", tmp_path / "training"
+    touch = json.dumps({"class_path": "_faults.TouchAt",
+                        "init_args": {"step": 3, "path": str(ready)}})  # fmt: skip
+    args = _args("zero2", request, out, "--checkpoint.every_n_train_steps=100000",
+                 f"--trainer.callbacks+={touch}")  # fmt: skip
+    run = _start(args, tmp_path, "forked", out, ready)
+    run.signal(signal.SIGSTOP, "rank1")
+    time.sleep(1.0)  # rank 0 is now blocked in the step's collectives
+    run.signal(signal.SIGINT, "rank0")
+    if second:
+        time.sleep(0.5)
+        run.signal(signal.SIGINT, "rank0")
+    deadline = time.monotonic() + HUNG
+    while _alive(run.pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    took = HUNG - (deadline - time.monotonic())
+    alive = _alive(run.pids[0])
+    run.signal(signal.SIGKILL, "rank1")
+    run.finish(HUNG)
+    print(f"\nstop time forked zero2 SIGSTOP rank1, SIGINT x{1 + second} -> rank0: {took:.2f} s")
+    assert not alive, f"rank 0 still running {HUNG:.0f} s later:\n{run.output}"
+    assert took < (1.5 if second else GONE_WITHIN), f"{took:.1f} s\n{run.output}"
+    assert run.statuses[0] == 130, run.output
+    expected = "SIGINT again: stopping now" if second else "did not complete within 5 s"
+    assert expected in run.output, run.output
 
 
 @pytest.mark.parametrize("killed", ["rank1", "rank0"])

@@ -21,6 +21,8 @@ def _meta_param_count(config: TransformerConfig) -> int:
         ("llama3.2-1b", 1_235_814_400),
         ("llama3.2-3b", 3_212_749_824),
         ("llama3.1-8b", 8_030_261_248),
+        ("llama3.1-70b", 70_553_706_496),
+        ("llama3.1-405b", 405_853_388_800),
     ],
 )
 def test_published_parameter_counts(name, expected):
