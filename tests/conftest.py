@@ -26,6 +26,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    # The fork server's imports, asked for before any child starts it (code under test
+    # that starts processes from it, the dry run, adds its own to these).
+    from _processes import context
+
+    context()
 
 
 @pytest.fixture(autouse=True)

@@ -149,7 +149,7 @@ class GracefulStop(Callback):
             self._wakeup = (read, write)
             self._previous_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
         self._watchdog = threading.Thread(
-            target=self._watch, name="plugintrain-stop-watchdog", daemon=True
+            target=_watch, args=(self,), name="plugintrain-stop-watchdog", daemon=True
         )
         self._watchdog.start()
 
@@ -188,15 +188,15 @@ class GracefulStop(Callback):
             if self.received == self._requeue_signal and signum == signal.SIGTERM:
                 return  # SLURM ending the job it requeued: the stop is under way
             if signum == self.received or signum == signal.SIGINT:  # the second one: at once
-                self._say(f"{name} again: stopping now")
-                self._abort(f"{name} twice")
+                _say(f"{name} again: stopping now")
+                _abort(f"{name} twice")
                 _exit_now(exit_status(signum))
             return
         self._received_at = time.monotonic()
         self.received = signum
         saves = self.save_on_signal and signum in (*SAVE_SIGNALS, self._requeue_signal)
         what = "finishing this step and saving" if saves else "stopping after this batch"
-        self._say(f"{name}: {what}, then stopping ({name} again stops at once)")
+        _say(f"{name}: {what}, then stopping ({name} again stops at once)")
 
     # -- the step ------------------------------------------------------------------------
 
@@ -214,7 +214,7 @@ class GracefulStop(Callback):
     ) -> None:  # fmt: skip
         if self.status is not None:  # stopping already (Lightning runs on to min_steps)
             return
-        agreed = self._agree(trainer)  # timed as part of the batch: a peer may be gone
+        agreed = _agree(trainer, self.received)  # timed as part of the batch: a peer may be gone
         if agreed:
             self.agreed = self.agreed or agreed
         self._end_batch()
@@ -223,18 +223,18 @@ class GracefulStop(Callback):
             return  # no signal, or mid gradient accumulation: the optimizer step is not done
         self._stepping_done = True
         _quiet_launcher_observer()
-        saved = self._save(trainer) if saves and self.save_on_signal else None
+        saved = _save(trainer) if saves and self.save_on_signal else None
         requeued = False
         if self.agreed == self._requeue_signal and self._requeues:
-            requeued = self._requeue(trainer)
+            requeued = _requeue(trainer)
             if _distributed(trainer):
                 trainer.strategy.barrier("plugintrain-requeue")  # rank 0 has requeued
-        self._stop(trainer)
+        _stop(trainer)
         self.status = exit_status(self.agreed)
         name = signal.Signals(self.agreed).name
         where = f"; checkpoint {saved}" if saved else ""
         again = "; SLURM job requeued" if requeued else ""
-        self._say(f"stopped by {name} after step {trainer.global_step}{where}{again}")
+        _say(f"stopped by {name} after step {trainer.global_step}{where}{again}")
 
     def _end_batch(self) -> None:
         now = time.monotonic()
@@ -268,69 +268,12 @@ class GracefulStop(Callback):
         self._paused = max(0, self._paused - 1)
         self._timed_since = time.monotonic()
 
-    @staticmethod
-    def _stop(trainer: pl.Trainer) -> None:
-        """Leave the fit loop after this batch, without the validation Lightning runs when
-        a run stops early, and whatever ``min_steps`` / ``min_epochs`` say."""
-        trainer.should_stop = True
-        fit_loop = trainer.fit_loop
-        fit_loop.min_epochs = 0
-        fit_loop.epoch_loop.min_steps = 0
-        if hasattr(fit_loop.epoch_loop, "_skip_next_val"):
-            fit_loop.epoch_loop._skip_next_val = True
-
     @property
     def patience(self) -> float:
         """How long the run may make no progress after a signal: ``grace``, or twice the
         longest training batch so far (a large model's step may take longer than
         ``grace``)."""
         return max(self.grace, 2 * self._longest_batch)
-
-    def _agree(self, trainer: pl.Trainer) -> int:
-        """The largest signal number any rank received (0: none), one all-reduce."""
-        local = int(self.received or 0)
-        if not _distributed(trainer):
-            return local
-        flag = torch.tensor([local], dtype=torch.int32, device=trainer.strategy.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
-    def _save(self, trainer: pl.Trainer) -> str | None:
-        """The checkpoint of the step just finished, through ModelCheckpoint's atomic path
-        (every rank takes part, as in a periodic save): ``last`` as ModelCheckpoint names
-        it, written even where ``save_last`` is off or a link; None without a checkpoint
-        directory."""
-        callback = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
-        if callback is None or callback.dirpath is None:
-            return None
-        candidates = callback._monitor_candidates(trainer)
-        if callback.save_last is True:
-            saved = callback._last_global_step_saved == trainer.global_step
-            if not (saved and callback.last_model_path):
-                callback._save_last_checkpoint(trainer, candidates)
-            return callback.last_model_path or None
-        path = callback.format_checkpoint_name(candidates, callback.CHECKPOINT_NAME_LAST)
-        callback._save_checkpoint(trainer, path)
-        callback.last_model_path = path
-        return path
-
-    def _requeue(self, trainer: pl.Trainer) -> bool:
-        """On global rank 0, ``scontrol requeue`` the job, as Lightning's SLURM connector
-        does; whether it did."""
-        job = os.environ.get("SLURM_JOB_ID")
-        array = os.environ.get("SLURM_ARRAY_JOB_ID")
-        if array is not None and "SLURM_ARRAY_TASK_ID" in os.environ:
-            job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-        if job is None or not trainer.is_global_zero:
-            return False
-        try:
-            done = subprocess.run(["scontrol", "requeue", job], check=False).returncode == 0
-        except OSError as error:
-            self._say(f"could not requeue SLURM job {job}: {error}")
-            return False
-        if not done:
-            self._say(f"`scontrol requeue {job}` failed; resume with --ckpt_path last")
-        return done
 
     # -- when the step cannot complete ---------------------------------------------------
 
@@ -339,46 +282,8 @@ class GracefulStop(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         text = str(exception).splitlines()[0][:200] if str(exception) else ""
-        self._abort(f"{type(exception).__name__}: {text}" if text else type(exception).__name__)
+        _abort(f"{type(exception).__name__}: {text}" if text else type(exception).__name__)
         self._release()  # Lightning skips `teardown` hooks after an exception
-
-    def _abort(self, reason: str) -> None:
-        """Tell every rank's watchdog that this rank is leaving (best effort)."""
-        store = _store()
-        if store is None:
-            return
-        with contextlib.suppress(Exception):  # the store may be gone already
-            store.set(ABORT_KEY, f"rank {_rank()}: {reason}")
-
-    def _watch(self) -> None:
-        import select
-
-        store = _store()
-        lost_at: float | None = None
-        mine = f"rank {_rank()}:"
-        wakeup = self._wakeup[0] if self._wakeup is not None else None
-        while not self._finished.is_set():
-            if wakeup is None:
-                self._finished.wait(self.poll)
-            else:
-                with contextlib.suppress(OSError, ValueError):
-                    if select.select([wakeup], [], [], self.poll)[0]:
-                        for signum in os.read(wakeup, 64):
-                            self._on_signal(signum)
-            if self._finished.is_set():
-                return
-            now = time.monotonic()
-            try:
-                if store is not None and store.check([ABORT_KEY]):
-                    reason = store.get(ABORT_KEY).decode()
-                    if not reason.startswith(mine):  # this rank's own exception: Lightning's
-                        self._leave(f"the run stopped ({reason})", 1)
-                lost_at = None
-            except Exception:  # the store's host is gone
-                lost_at = lost_at or now
-                if now - lost_at > self.grace:
-                    self._leave("the run's rendezvous store is gone (its host process ended)", 1)
-            self._check_deadline(now)
 
     def _check_deadline(self, now: float) -> None:
         """After a signal, leave if the run makes no progress for :attr:`patience`: timed
@@ -400,14 +305,116 @@ class GracefulStop(Callback):
     def _leave(self, why: str, status: int) -> None:
         if self._finished.is_set():
             return
-        self._say(f"{why}; exiting")
-        self._abort(why)
+        _say(f"{why}; exiting")
+        _abort(why)
         _exit_now(status)
 
-    def _say(self, message: str) -> None:
-        """One line on stderr, written directly (safe from a signal or another thread)."""
-        with contextlib.suppress(OSError):
-            os.write(2, f"[rank {_rank()}] plugintrain: {message}\n".encode())
+
+def _watch(stop: GracefulStop) -> None:
+    """The watchdog thread of ``stop`` (see the module)."""
+    import select
+
+    store = _store()
+    lost_at: float | None = None
+    mine = f"rank {_rank()}:"
+    wakeup = stop._wakeup[0] if stop._wakeup is not None else None
+    while not stop._finished.is_set():
+        if wakeup is None:
+            stop._finished.wait(stop.poll)
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                if select.select([wakeup], [], [], stop.poll)[0]:
+                    for signum in os.read(wakeup, 64):
+                        stop._on_signal(signum)
+        if stop._finished.is_set():
+            return
+        now = time.monotonic()
+        try:
+            if store is not None and store.check([ABORT_KEY]):
+                reason = store.get(ABORT_KEY).decode()
+                if not reason.startswith(mine):  # this rank's own exception: Lightning's
+                    stop._leave(f"the run stopped ({reason})", 1)
+            lost_at = None
+        except Exception:  # the store's host is gone
+            lost_at = lost_at or now
+            if now - lost_at > stop.grace:
+                stop._leave("the run's rendezvous store is gone (its host process ended)", 1)
+        stop._check_deadline(now)
+
+
+def _stop(trainer: pl.Trainer) -> None:
+    """Leave the fit loop after this batch, without the validation Lightning runs when
+    a run stops early, and whatever ``min_steps`` / ``min_epochs`` say."""
+    trainer.should_stop = True
+    fit_loop = trainer.fit_loop
+    fit_loop.min_epochs = 0
+    fit_loop.epoch_loop.min_steps = 0
+    if hasattr(fit_loop.epoch_loop, "_skip_next_val"):
+        fit_loop.epoch_loop._skip_next_val = True
+
+
+def _agree(trainer: pl.Trainer, received: int | None) -> int:
+    """The largest signal number any rank received (0: none), one all-reduce."""
+    local = int(received or 0)
+    if not _distributed(trainer):
+        return local
+    flag = torch.tensor([local], dtype=torch.int32, device=trainer.strategy.root_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def _save(trainer: pl.Trainer) -> str | None:
+    """The checkpoint of the step just finished, through ModelCheckpoint's atomic path
+    (every rank takes part, as in a periodic save): ``last`` as ModelCheckpoint names
+    it, written even where ``save_last`` is off or a link; None without a checkpoint
+    directory."""
+    callback = next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
+    if callback is None or callback.dirpath is None:
+        return None
+    candidates = callback._monitor_candidates(trainer)
+    if callback.save_last is True:
+        saved = callback._last_global_step_saved == trainer.global_step
+        if not (saved and callback.last_model_path):
+            callback._save_last_checkpoint(trainer, candidates)
+        return callback.last_model_path or None
+    path = callback.format_checkpoint_name(candidates, callback.CHECKPOINT_NAME_LAST)
+    callback._save_checkpoint(trainer, path)
+    callback.last_model_path = path
+    return path
+
+
+def _requeue(trainer: pl.Trainer) -> bool:
+    """On global rank 0, ``scontrol requeue`` the job, as Lightning's SLURM connector
+    does; whether it did."""
+    job = os.environ.get("SLURM_JOB_ID")
+    array = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array is not None and "SLURM_ARRAY_TASK_ID" in os.environ:
+        job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if job is None or not trainer.is_global_zero:
+        return False
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], check=False).returncode == 0
+    except OSError as error:
+        _say(f"could not requeue SLURM job {job}: {error}")
+        return False
+    if not done:
+        _say(f"`scontrol requeue {job}` failed; resume with --ckpt_path last")
+    return done
+
+
+def _abort(reason: str) -> None:
+    """Tell every rank's watchdog that this rank is leaving (best effort)."""
+    store = _store()
+    if store is None:
+        return
+    with contextlib.suppress(Exception):  # the store may be gone already
+        store.set(ABORT_KEY, f"rank {_rank()}: {reason}")
+
+
+def _say(message: str) -> None:
+    """One line on stderr, written directly (safe from a signal or another thread)."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"[rank {_rank()}] plugintrain: {message}\n".encode())
 
 
 def _note_in_watchdog(_signum: int, _frame: Any) -> None:

@@ -8,6 +8,9 @@ code on a meta-device model: :mod:`~plugintrain.estimate.parameters`), activatio
 schedule (:mod:`~plugintrain.estimate.activations`) and communication buffers. The
 biggest rank decides whether a layout fits (:meth:`Estimate.peak`);
 :func:`fitting_layouts` enumerates layouts over up to N devices under a memory limit.
+:mod:`~plugintrain.estimate.dry_run` checks a layout rank by rank on the real code path
+(torch's fake process group, meta tensors); :mod:`~plugintrain.estimate.recipe` reads a
+fit recipe's model and layout.
 """
 
 import importlib

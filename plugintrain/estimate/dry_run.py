@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugintrain.estimate.layout import Layout
 from plugintrain.model_zoo.config import TransformerConfig
@@ -60,6 +63,23 @@ class DryRank:
     dp replicas at ZeRO stage 0 (the expert-data-parallel ones for an expert weight)."""
     full: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
     """Each parameter's whole-model element count."""
+    trace: StepTrace | None = None
+    """The traced training step (``trace=True``)."""
+
+
+BACKEND = "plugintrain_dry_run"
+"""torch's ``fake`` process group, registered for the meta device too (pipeline sends and
+receives of meta tensors go through ``batch_isend_irecv``, which asks for the tensors'
+device's backend)."""
+
+
+def _register_backend() -> None:
+    from torch.testing._internal.distributed.fake_pg import _create_fake_pg
+
+    if not hasattr(dist.Backend, BACKEND.upper()):
+        dist.Backend.register_backend(
+            BACKEND, _create_fake_pg, extended_api=True, devices=["cpu", "meta"]
+        )
 
 
 @contextlib.contextmanager
@@ -70,36 +90,65 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a dry run needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    _register_backend()
+    dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
 
 
-def dry_rank(config: TransformerConfig, layout: Layout, rank: int) -> DryRank:
+@dataclass(frozen=True)
+class Traffic:
+    """The collectives of one kind on one process group during a traced step."""
+
+    op: str
+    """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``,
+    ``send`` or ``recv``."""
+    dim: str
+    """The mesh dimension(s) of the group (``tp``, ``dp``, ``pp``, ``ep``, ``edp``, ``dp,tp``
+    for FSDP2 over both, ``world``), or the peer for ``send`` and ``recv`` (``rank 64``)."""
+    group_size: int
+    count: int
+    bytes: int
+    """Their total size: each call's full buffer (an all-gather's output, a reduce-scatter's
+    input), as nccl-tests count it."""
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One training step of a rank, run on meta tensors: what it computes and sends."""
+
+    flops: int
+    """Matmul and attention FLOPs (``torch.utils.flop_counter``), forward and backward
+    (attention on meta tensors runs SDPA's math path: its matmuls count as ``aten.bmm``)."""
+    flops_by_op: dict[str, int]
+    """:attr:`flops` by operator."""
+    activations: int
+    """Peak bytes of the tensors the step creates (saved activations and transients)."""
+    traffic: tuple[Traffic, ...]
+    p2p: tuple[tuple[str, int, int], ...]
+    """Every send and receive in order: (``send``/``recv``, peer global rank, bytes)."""
+
+
+def dry_rank(config: TransformerConfig, layout: Layout, rank: int, trace: bool = False) -> DryRank:
     """Build global rank ``rank`` of ``layout`` on the meta device (see the module) and
-    take one optimizer step; what it holds.
+    take one optimizer step (with ``trace``, a whole training step: forward, backward,
+    reductions, the pipeline schedule, the step, in :attr:`DryRank.trace`); what it holds.
 
     Raises:
         ValueError: One line naming the rank and the value, where a launch would fail.
     """
     with fake_world(rank, layout.world_size):
         try:
-            return _build_rank(config, layout, rank)
+            return _build_rank(config, layout, rank, trace)
         except ValueError as error:
             raise ValueError(f"rank {rank}: {error}") from None
 
 
-def _build_rank(config: TransformerConfig, layout: Layout, rank: int) -> DryRank:
+def _build_rank(config: TransformerConfig, layout: Layout, rank: int, trace: bool) -> DryRank:
     from plugintrain.model_zoo import CausalLM
-    from plugintrain.strategies.parallel_plan import (
-        build_engine,
-        check_model_fits,
-        prepare_model,
-    )
-    from plugintrain.strategies.pipeline_runtime import chunk_partition
-    from plugintrain.strategies.tied import TiedParameters
+    from plugintrain.strategies.parallel_plan import check_model_fits, prepare_model
 
     dims = _strategy_dims(layout)
     mesh = dims.build_mesh("cpu")
@@ -109,24 +158,21 @@ def _build_rank(config: TransformerConfig, layout: Layout, rank: int) -> DryRank
         module.configure_model()
     if layout.lora is not None:
         _inject_lora(module, layout)
-    check_model_fits(module, dims, layout.pipeline, strategy_name="dry run")
+    batch = layout.micro_batch * (layout.pipeline.microbatches if dims.pp > 1 else 1)
+    data = SimpleNamespace(seq_len=layout.seq_len, batch_size=batch)  # what a launch checks
+    check_model_fits(module, dims, layout.pipeline, data, strategy_name="dry run")
     fsdp = dims.fsdp_enabled
     stages = prepare_model(
         module, dims, layout.pipeline, mesh, torch.device("meta"), True, layout.blocks,
         dtypes if fsdp else None,
     )  # fmt: skip
-    engine = None
-    if layout.stage is not None:
-        tied = TiedParameters.of(module)
-        partition = chunk_partition(module, stages, tied) if stages is not None else None
-        engine = build_engine(
-            module, dims, mesh, layout.bucket_size_mb, True, False, partition
-        )  # fmt: skip
-    optimizer = module.optimizer(module._param_groups())
-    if engine is not None:
-        engine.attach(optimizer)
+    engine, optimizer = _engine_and_optimizer(module, layout, dims, mesh, stages)
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
-    _one_step(optimizer, stepped, engine)
+    traced = None
+    if trace:
+        traced = _traced_step(module, layout, dims, mesh, stages, engine, optimizer, rank)
+    else:
+        _one_step(optimizer, stepped, engine)
     params = list(module.parameters())
     buckets = engine._layout.buckets if engine is not None else []
     engine_grads = [t for b in buckets for t in (b.grads, b.shard_grads, b.shard_pending)]
@@ -144,7 +190,29 @@ def _build_rank(config: TransformerConfig, layout: Layout, rank: int) -> DryRank
         rank=rank, pp_rank=where.get("pp", 0), dp_rank=dp_rank, tp_rank=where.get("tp", 0),
         parameters=storage_bytes(params), gradients=storage_bytes(grads),
         optimizer=storage_bytes(states), layers=layers, owned=owned, copies=copies, full=full,
+        trace=traced,
     )  # fmt: skip
+
+
+def _engine_and_optimizer(
+    module: Any, layout: Layout, dims: Any, mesh: Any, stages: Any
+) -> tuple[Any, torch.optim.Optimizer]:
+    """The gradient engine as the strategy builds it (a pipeline rank's chunks in buckets
+    of their own; none under FSDP2 or on one device) and the module's own optimizer class
+    on its parameter groups, attached to the engine's shards."""
+    from plugintrain.strategies.parallel_plan import build_engine
+    from plugintrain.strategies.pipeline_runtime import chunk_partition
+    from plugintrain.strategies.tied import TiedParameters
+
+    engine = None
+    if layout.stage is not None:
+        tied = TiedParameters.of(module)
+        partition = chunk_partition(module, stages, tied) if stages is not None else None
+        engine = build_engine(module, dims, mesh, layout.bucket_size_mb, True, False, partition)
+    optimizer = module.optimizer(module._param_groups())
+    if engine is not None:
+        engine.attach(optimizer)
+    return engine, optimizer
 
 
 def _ownership(
@@ -192,6 +260,188 @@ def _one_step(optimizer: torch.optim.Optimizer, stepped: list[Tensor], engine: A
         for p in stepped:
             p.grad = torch.zeros_like(p)
     optimizer.step()
+
+
+def _traced_step(
+    module: Any, layout: Layout, dims: Any, mesh: Any, stages: Any, engine: Any,
+    optimizer: torch.optim.Optimizer, rank: int,
+) -> StepTrace:  # fmt: skip
+    """One training step of this rank on meta inputs (zeros: every token id valid), as the
+    strategy runs it: under the precision plugin's autocast, the vocabulary-parallel loss
+    under tp, the pipeline schedule with pp > 1, the gradient engine's reductions, the
+    optimizer step (and the engine's parameter all-gather after it)."""
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from plugintrain.core.memory import LiveTensorMemory
+    from plugintrain.precision_plugins import precision_plugin_from_name
+    from plugintrain.strategies.hybrid import _cast_by_fsdp
+
+    if dims.ep > 1:
+        raise ValueError(
+            "expert_parallel > 1 is not traced: the token exchange sizes depend on the routing"
+            " of real data; leave out --trace (the bytes are still read)"
+        )
+    if dims.fsdp_enabled:
+        raise ValueError(
+            "zero_stage 3 (FSDP2) is not traced: FSDP2 copies real data between its shards"
+            " and buffers in a step; leave out --trace (the bytes are still read)"
+        )
+    plugin = precision_plugin_from_name(layout.precision)
+    _cast_by_fsdp(plugin, dims.fsdp_enabled)
+    rows = layout.micro_batch * (layout.pipeline.microbatches if stages is not None else 1)
+    tokens = torch.zeros(rows, layout.seq_len, dtype=torch.long, device="meta")
+    recorder = _TrafficRecorder(mesh, rank)
+    with LiveTensorMemory("meta") as memory, recorder, _local_flop_counter(display=False) as flops:
+        memory.track(module.parameters(), module.buffers())
+        if stages is not None:
+            from plugintrain.strategies.pipeline_runtime import PipelineRuntime
+
+            runtime = PipelineRuntime(module, stages, dims, layout.pipeline, mesh, plugin, rank)
+            runtime.training_step((tokens, tokens), engine, 1)
+            runtime.finish_gradients(engine)  # what the strategy's backward hook does
+        else:
+            with plugin.forward_context():
+                loss = module.loss_fn(module(tokens), tokens)
+            with loss_parallel() if dims.tp_enabled else nullcontext():
+                loss.backward()
+        # The step's transient peak, less what outlives it (the gradient buffers, counted
+        # as gradients): the estimate's activations plus its reduction buffers.
+        peak = memory.peak_bytes - memory.live_bytes
+        optimizer.step()
+    by_op = {str(op): n for op, n in flops.get_flop_counts().get("Global", {}).items()}
+    return StepTrace(flops.get_total_flops(), by_op, peak, recorder.summary(), tuple(recorder.p2p))
+
+
+def _local_share(args: Any) -> int:
+    """How many ranks split an operator on DTensors: the product of the mesh dimensions
+    over which any input is sharded (a column- or row-parallel matmul: tp; attention over
+    sharded heads: tp; stacked experts: ep). 1 for plain tensors."""
+    from torch.utils._pytree import tree_flatten
+
+    split: dict[int, int] = {}
+    for value in tree_flatten(args)[0]:
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            for dim, placement in enumerate(value.placements):
+                if placement.is_shard():
+                    split[dim] = mesh.size(dim)
+    share = 1
+    for size in split.values():
+        share *= size
+    return share
+
+
+def _flop_counter_class() -> type:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class LocalFlopCounter(FlopCounterMode):
+        """torch's FLOP counter, counting this rank's part of an operator on DTensors (it
+        sees DTensor operators with their global shapes): divided by :func:`_local_share`."""
+
+        def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+            if func_packet in self.flop_registry:
+                count = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+                count //= _local_share((args, kwargs))
+                for parent in set(self.mod_tracker.parents):
+                    self.flop_counts[parent][func_packet] += count
+            return out
+
+    return LocalFlopCounter
+
+
+def _local_flop_counter(**kwargs: Any) -> Any:
+    """A :func:`_flop_counter_class` instance (the class is made on first use)."""
+    return _flop_counter_class()(**kwargs)
+
+
+_OPS = {
+    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "allgather_": "all_gather", "_allgather_base_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+    "broadcast_": "broadcast", "send": "send", "recv_": "recv",
+}  # fmt: skip
+
+
+class _TrafficRecorder(TorchDispatchMode):
+    """Every c10d and functional collective run under it: kind, group, size."""
+
+    def __init__(self, mesh: Any, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.calls: dict[tuple[str, str, int], list[int]] = {}
+        self.p2p: list[tuple[str, int, int]] = []
+        names = mesh.mesh_dim_names or ()
+        self.dims: dict[frozenset[int], str] = {}
+        for name in names:
+            self.dims.setdefault(
+                frozenset(dist.get_process_group_ranks(mesh[name].get_group())), name
+            )
+        if len(names) > 1:
+            for i, a in enumerate(names):
+                for b in names[i + 1 :]:
+                    with contextlib.suppress(Exception):
+                        ranks = dist.get_process_group_ranks(mesh[a, b]._flatten().get_group())
+                        self.dims.setdefault(frozenset(ranks), f"{a},{b}")
+        self.world = dist.get_world_size()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kind = _OPS.get(func._schema.name.split("::")[-1]) if func.namespace in (
+            "c10d", "_c10d_functional") else None  # fmt: skip
+        if kind is not None:
+            self._record(func, kind, args)
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, func: Any, kind: str, args: Any) -> None:
+        from torch.utils._pytree import tree_flatten
+
+        flat = tree_flatten(args)[0]
+        tensors = [a for a in flat if isinstance(a, Tensor)]
+        group = next((g for g in map(_process_group, flat) if g is not None), None)
+        if group is None:
+            name = next((a for a in reversed(flat) if isinstance(a, str)), None)  # the group
+            group = dist.distributed_c10d._resolve_process_group(name) if name else None
+        size = group.size() if group is not None else self.world
+        nbytes = sum(_local(t).numel() * t.element_size() for t in tensors[:1])
+        if kind == "all_gather" and func.namespace == "_c10d_functional":
+            nbytes *= size  # the input is this rank's part; count the gathered buffer
+        if kind in ("send", "recv"):
+            peer = next(a for a in flat if isinstance(a, int) and not isinstance(a, bool))
+            peer = dist.get_global_rank(group, peer) if group is not None else peer
+            self.p2p.append((kind, peer, nbytes))
+            key = (kind, f"rank {peer}", size)
+        else:
+            ranks = frozenset(dist.get_process_group_ranks(group)) if group is not None else None
+            dim = self.dims.get(ranks, "world" if size == self.world else f"{size} ranks")
+            key = (kind, dim, size)
+        entry = self.calls.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def summary(self) -> tuple[Traffic, ...]:
+        return tuple(
+            Traffic(op, dim, size, count, nbytes)
+            for (op, dim, size), (count, nbytes) in sorted(self.calls.items())
+        )
+
+
+def _process_group(value: Any) -> Any:
+    """The ProcessGroup a c10d op's argument boxes (a ``torch.ScriptObject``), or None."""
+    if isinstance(value, dist.ProcessGroup):
+        return value
+    if isinstance(value, torch.ScriptObject):
+        with contextlib.suppress(Exception):
+            return dist.ProcessGroup.unbox(value)
+    return None
+
+
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _dp_rank(where: dict[str, int], mesh: Any) -> int:
@@ -290,12 +540,14 @@ def ownership_problems(ranks: list[DryRank], layout: Layout) -> list[str]:
     return problems
 
 
-def balance_problems(ranks: list[DryRank], limit: float = 1.5) -> list[str]:
-    """A pipeline stage holding over ``limit`` x the parameter bytes of the lightest stage
-    (it sets the pace of every step): one line naming it and the fix."""
-    per_stage: dict[int, int] = {}
-    for r in ranks:
-        per_stage[r.pp_rank] = max(per_stage.get(r.pp_rank, 0), r.parameters)
+def balance_problems(
+    ranks: list[DryRank], config: TransformerConfig, layout: Layout, limit: float = 1.5
+) -> list[str]:
+    """A pipeline stage computing over ``limit`` x the training FLOPs per token of the
+    lightest one (it sets the pace of every step; the layers it holds, as built, each
+    ``6 x`` its active parameters plus its attention, and the head on the last stage):
+    one line naming it and the fix."""
+    per_stage = {r.pp_rank: _stage_flops(r, config, layout) for r in ranks}
     if len(per_stage) < 2:
         return []
     heavy = max(per_stage, key=per_stage.__getitem__)
@@ -304,10 +556,71 @@ def balance_problems(ranks: list[DryRank], limit: float = 1.5) -> list[str]:
     if ratio <= limit:
         return []
     return [
-        f"pipeline stage {heavy} holds {ratio:.2f}x the parameters of stage {light}"
-        f" ({per_stage[heavy]} vs {per_stage[light]} bytes per rank); move blocks off it with"
+        f"pipeline stage {heavy} computes {ratio:.2f}x the FLOPs per token of stage {light}"
+        f" ({per_stage[heavy]:.3g} vs {per_stage[light]:.3g}); move blocks off it with"
         " --layers_per_stage"
     ]
+
+
+def _stage_flops(rank: DryRank, config: TransformerConfig, layout: Layout) -> float:
+    """Training FLOPs per token of the blocks ``rank`` holds, plus the head on the last
+    pipeline rank (:meth:`TransformerConfig.flops_per_token`'s terms, per layer)."""
+    width = 2 * config.head_dim if config.mla is None else (
+        config.mla.qk_head_dim + config.mla.v_head_dim)  # fmt: skip
+    attention = 6 * config.n_head * width * layout.seq_len
+    flops = 0.0
+    for name in rank.layers:
+        index = int(name.rsplit(".", 1)[1])
+        flops += 6 * config._block_params(index, active=True) + attention
+    if rank.pp_rank == layout.dims.pp - 1:
+        flops += 6 * config.vocab_size * config.n_embd
+    return flops
+
+
+def build_ranks(
+    config: TransformerConfig, layout: Layout, ranks: list[int], trace: bool = False,
+    workers: int | None = None,
+) -> list[DryRank]:  # fmt: skip
+    """:func:`dry_rank` for each of ``ranks``, each in a process of its own (nothing a rank's
+    world leaves behind, process groups and meshes, reaches the next), ``workers`` at a time
+    (default: the CPU cores, at most 8). The processes are forked from a fork server that
+    imported torch and plugintrain once (never from this process, which may have threads).
+
+    Raises:
+        ValueError: The first rank's one-line error, in rank order.
+    """
+    import multiprocessing
+
+    workers = workers or min(8, os.cpu_count() or 1)
+    context = multiprocessing.get_context("forkserver")
+    _preload(context, ["torch", "torch.distributed", __name__])
+    with context.Pool(min(workers, len(ranks)), maxtasksperchild=1) as pool:
+        results = pool.starmap(_rank_or_error, [(config, layout, r, trace) for r in ranks])
+    for result in results:
+        if isinstance(result, str):
+            raise ValueError(result)
+    return results
+
+
+def _preload(context: Any, modules: list[str]) -> None:
+    """Add ``modules`` to what the fork server imports when it starts (keeping what this
+    process asked for before; nothing once it runs)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is None:
+        asked = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
+        context.set_forkserver_preload(list(dict.fromkeys([*asked, *modules])))
+
+
+def _rank_or_error(
+    config: TransformerConfig, layout: Layout, rank: int, trace: bool
+) -> DryRank | str:
+    """A worker's :func:`dry_rank`: its one-line error as a string (sent back as is)."""
+    try:
+        return dry_rank(config, layout, rank, trace)
+    except ValueError as error:
+        return str(error)
 
 
 def parse_ranks(text: str, layout: Layout) -> list[int]:
@@ -347,10 +660,11 @@ class DryRunReport:
 
     def table(self, size: Any) -> str:
         """Ranks with the same figures on one row, with their count and stages."""
-        rows: dict[tuple, list[DryRank]] = {}
+        rows: dict[tuple, list[DryRank]] = {}  # by the figures shown (padding bytes apart)
         for r in self.ranks:
             held = (r.parameters, r.gradients, r.optimizer)
-            rows.setdefault((*held, held == self.estimated[r.rank][:3]), []).append(r)
+            shown = tuple(size(n) for n in (*held, self.totals(r)))
+            rows.setdefault((*shown, held == self.estimated[r.rank][:3]), []).append(r)
         lines = [
             f"dry run of {len(self.ranks)} of {self.world_size} ranks (fake process group,"
             f" meta tensors): {self.seconds:.1f} s, peak RSS {size(self.peak_rss)}",
@@ -358,17 +672,39 @@ class DryRunReport:
             f"{'ranks':>6}  {'stages':<14}{'parameters':>12}{'gradients':>12}{'optimizer':>12}"
             f"{'total':>12}  estimate",
         ]
-        for (params, grads, opt, same), members in rows.items():
+        for (params, grads, opt, total, same), members in rows.items():
             stages = sorted({m.pp_rank for m in members})
             named = ",".join(map(str, stages)) if len(stages) <= 4 else f"{len(stages)} stages"
             lines.append(
-                f"{len(members):>6}  {named:<14}{size(params):>12}{size(grads):>12}"
-                f"{size(opt):>12}{size(self.totals(members[0])):>12}"
+                f"{len(members):>6}  {named:<14}{params:>12}{grads:>12}{opt:>12}{total:>12}"
                 f"  {'equal' if same else 'DIFFERS'}"
             )
+        lines += self._traffic_lines(size)
         lines.append("")
         lines.append(f"problems: {len(self.problems) or 'none'}")
         return "\n".join(lines)
+
+    def _traffic_lines(self, size: Any) -> list[str]:
+        """With traces: per pipeline stage (its first traced rank), the step's FLOPs,
+        activation peak and collectives per mesh dimension."""
+        lines: list[str] = []
+        seen: set[int] = set()
+        for r in self.ranks:
+            if r.trace is None or r.pp_rank in seen:
+                continue
+            seen.add(r.pp_rank)
+            t = r.trace
+            lines += [
+                "",
+                f"rank {r.rank} (stage {r.pp_rank}), one step: {t.flops / 1e12:.4g} TFLOP,"
+                f" activations (peak, beyond what persists) {size(t.activations)}",
+            ]
+            for c in t.traffic:
+                lines.append(
+                    f"  {c.op:<15}{c.dim:<10}{c.group_size:>6} ranks {c.count:>6} calls"
+                    f"  {size(c.bytes):>11}"
+                )
+        return lines
 
     world_size: int = 0
 
@@ -382,38 +718,72 @@ class DryRunReport:
                  "tp_rank": r.tp_rank, "parameters": r.parameters, "gradients": r.gradients,
                  "optimizer": r.optimizer, "total": self.totals(r),
                  "estimate": dict(zip(("parameters", "gradients", "optimizer", "total"),
-                                      self.estimated[r.rank], strict=True))}
+                                      self.estimated[r.rank], strict=True)),
+                 "trace": None if r.trace is None else {
+                     "flops": r.trace.flops, "flops_by_op": r.trace.flops_by_op,
+                     "activations": r.trace.activations,
+                     "traffic": [dataclasses.asdict(c) for c in r.trace.traffic],
+                     "p2p": [list(m) for m in r.trace.p2p]}}
                 for r in self.ranks
             ],
         }  # fmt: skip
+
+
+def p2p_problems(ranks: list[DryRank]) -> list[str]:
+    """Every point-to-point message between two traced ranks paired: rank a's n-th send to
+    b has the size of b's n-th receive from a, and their counts agree (a send with no
+    receive blocks a NCCL pipeline for good). One line per pair that does not."""
+    traced = {r.rank: r.trace for r in ranks if r.trace is not None}
+    sent: dict[tuple[int, int], list[int]] = {}
+    received: dict[tuple[int, int], list[int]] = {}
+    for rank, trace in traced.items():
+        for kind, peer, nbytes in trace.p2p:
+            if kind == "send":
+                sent.setdefault((rank, peer), []).append(nbytes)
+            else:
+                received.setdefault((peer, rank), []).append(nbytes)
+    problems = []
+    for pair in sorted(set(sent) | set(received)):
+        src, dst = pair
+        if src not in traced or dst not in traced:
+            continue
+        sends, recvs = sent.get(pair, []), received.get(pair, [])
+        if sends != recvs:
+            problems.append(
+                f"rank {src} -> rank {dst}: {len(sends)} sends of {sorted(set(sends))} bytes,"
+                f" {len(recvs)} receives of {sorted(set(recvs))} bytes; the pipeline would hang"
+            )
+    return problems
 
 
 def dry_run(
     config: TransformerConfig,
     layout: Layout,
     ranks: list[int],
-    expected: Any,
     memory: int | None = None,
+    trace: bool = False,
 ) -> DryRunReport:
-    """:func:`dry_rank` for each of ``ranks``, against ``expected`` (the layout's
-    :class:`~plugintrain.estimate.Estimate`), with the problems found: a rank whose bytes
+    """:func:`dry_rank` for each of ``ranks``, against the layout's
+    :func:`~plugintrain.estimate.estimate`, with the problems found: a rank whose bytes
     differ from the estimate's, one over ``memory``, an unbalanced pipeline, and with every
     rank a parameter not stepped exactly once per replica."""
     import resource
     import time
 
     start = time.monotonic()
-    built = [dry_rank(config, layout, rank) for rank in ranks]
+    built = build_ranks(config, layout, ranks, trace)  # a rank's error names the rank
     seconds = time.monotonic() - start
+    from plugintrain.estimate.search import estimate
+
+    expected = estimate(config, layout)
     by_position = {(e.pp_rank, e.dp_rank): e for e in expected.ranks}
     estimated = {}
     for r in built:
         e = by_position[(r.pp_rank, r.dp_rank)]
         estimated[r.rank] = (e.parameters, e.gradients, e.optimizer, e.total)
-    report = DryRunReport(
-        built, estimated, seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        [], layout.world_size,
-    )  # fmt: skip
+    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF,
+              resource.RUSAGE_CHILDREN)) * 1024  # fmt: skip
+    report = DryRunReport(built, estimated, seconds, rss, [], layout.world_size)
     problems = report.problems
     for r in built:
         held = (r.parameters, r.gradients, r.optimizer)
@@ -428,7 +798,8 @@ def dry_run(
                 f" {report.totals(r)} bytes > --memory {memory}; list layouts that fit with"
                 f" --fit {memory}"
             )
-    problems += balance_problems(built)
+    problems += balance_problems(built, config, layout)
+    problems += p2p_problems(built)
     if len(built) == layout.world_size:
         problems += ownership_problems(built, layout)
     return report

@@ -85,6 +85,8 @@ Tools:
   schedule   simulate a pipeline schedule: plugintrain schedule --pp 4 --vpp 2 --microbatches 8
   estimate   per-rank memory of a layout, or the layouts that fit:
                plugintrain estimate llama3.1-8b --dp 8 --zero_stage 2 (or --fit 80GiB --gpus 64)
+             and every rank of a recipe's layout built on the real code path, on this machine:
+               plugintrain estimate --config recipes/scale/llama3_405b_1024gpu.yaml --dry_run
   bench      benchmark a matrix of runs: plugintrain bench --matrix benchmarks/cpu.yaml
   gpu-check  the CUDA path against the CPU on one GPU, with tokens/s and MFU (make gpu-check)
 

@@ -10,6 +10,15 @@ total; one column per pipeline stage. ``--json`` prints the same as one JSON obj
 fewest devices first, then least memory. Nothing is allocated: the model is only built on
 the meta device (:mod:`plugintrain.estimate`).
 
+``--dry_run`` builds chosen ranks (``--ranks sample|all|R,R``) on the real code path, one
+CPU process playing each rank through torch's fake process group, and prints what each
+holds next to the estimate, then every problem found, one line each (exit 2): a rank over
+``--memory``, an unbalanced pipeline, bytes that differ from the estimate, and with
+``--ranks all`` a parameter not stepped exactly once per replica; ``--trace`` also runs
+one training step on meta tensors (FLOPs, activation peak, collectives per mesh
+dimension) and pairs the pipeline's sends and receives
+(:mod:`plugintrain.estimate.dry_run`).
+
 Exit status: 0 on success, 2 on bad input (a layout the model cannot train on).
 """
 
@@ -47,7 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         " that fit a device.",
     )
     add = parser.add_argument
-    add("model", help="a preset (plugintrain.model_zoo presets) or a .json/.yaml config file")
+    add("model", nargs="?", default=None,
+        help="a preset (plugintrain.model_zoo presets) or a .json/.yaml config file")  # fmt: skip
+    add("--config", metavar="RECIPE", default=None,
+        help="a `plugintrain fit` recipe: its model and layout (devices x num_nodes, the"
+             " strategy and its options, precision, seq_len, batch_size) instead of MODEL"
+             " and the layout options")  # fmt: skip
     add("--strategy", choices=STRATEGIES, default=None,
         help="single (one device), ddp_bucketed, zero1, zero2 (data parallel only) or hybrid;"
              " default: single on one device, else hybrid")  # fmt: skip
@@ -85,12 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--ranks", default="sample", metavar="sample|all|R,R,...",
         help="with --dry_run: one rank of each kind (default), every rank (also checks that"
              " every parameter is stepped exactly once), or these global ranks")  # fmt: skip
-    add(
-        "--memory",
-        default=None,
-        metavar="MEMORY",
-        help="with --dry_run: report every rank whose total exceeds MEMORY (80GiB, 141GB)",
-    )
+    add("--trace", action="store_true",
+        help="with --dry_run: also run one training step on meta tensors: FLOPs, activation"
+             " peak, collectives per mesh dimension, pipeline sends paired")  # fmt: skip
+    add("--memory", default=None, metavar="MEMORY",
+        help="with --dry_run: report every rank whose total exceeds MEMORY (80GiB,"
+             " 141GB)")  # fmt: skip
     return parser
 
 
@@ -122,6 +136,18 @@ def load_config(model: str) -> TransformerConfig:
         return TransformerConfig.from_dict(fields)
     except TypeError as error:
         raise ValueError(f"{model}: {error}; use TransformerConfig's field names") from None
+
+
+def _model_and_layout(args: argparse.Namespace) -> tuple[TransformerConfig, Layout]:
+    """From ``--config RECIPE``, or from MODEL and the layout options."""
+    if (args.config is None) == (args.model is None):
+        raise ValueError("give MODEL (a preset or config file) or --config RECIPE, one of them")
+    if args.config is not None:
+        from plugintrain.estimate.recipe import recipe_layout
+
+        return recipe_layout(args.config)
+    config = load_config(args.model)
+    return config, _layout(args, config)
 
 
 def _layout(args: argparse.Namespace, config: TransformerConfig) -> Layout:
@@ -236,10 +262,11 @@ def main(argv: Sequence[str]) -> int:
     from plugintrain.estimate import estimate, fitting_layouts, parse_bytes
 
     try:
-        config = load_config(args.model)
-        layout = _layout(args, config)
+        config, layout = _model_and_layout(args)
         if args.dry_run:
             return _dry_run(args, config, layout)
+        if args.trace or args.memory or args.ranks != "sample":
+            raise ValueError("--trace, --memory and --ranks go with --dry_run; add it")
         if args.fit is None:
             result = estimate(config, layout)
         else:
@@ -263,16 +290,18 @@ def main(argv: Sequence[str]) -> int:
 def _dry_run(args: argparse.Namespace, config: TransformerConfig, layout: Layout) -> int:
     """``--dry_run``: the chosen ranks built (see :mod:`plugintrain.estimate.dry_run`), their
     bytes next to the estimate's, then every problem found, one line each (exit 2)."""
-    from plugintrain.estimate import estimate, parse_bytes
+    from plugintrain.estimate import parse_bytes
     from plugintrain.estimate.dry_run import dry_run, parse_ranks
 
     if args.fit is not None:
         raise ValueError("--dry_run checks one layout; leave out --fit (or run --fit alone)")
+    if args.trace and layout.strategy == "single":
+        raise ValueError("--trace runs a distributed step; give a layout over several ranks")
     memory = None if args.memory is None else parse_bytes(args.memory)
     ranks = parse_ranks(args.ranks, layout)
-    layout.check(config)
-    expected = estimate(config, layout)
-    report = dry_run(config, layout, ranks, expected, memory)
+    if layout.seq_len > config.block_size:
+        layout.check(config)  # the one check no rank makes
+    report = dry_run(config, layout, ranks, memory, args.trace)
     if args.json:
         print(json.dumps(report.as_json()))
     else:

@@ -1,4 +1,4 @@
-"""The memory estimator (plugintrain.estimate) against what ranks really hold.
+"""The memory estimator (plugintrain.estimate) and the dry run against what ranks really hold.
 
 **Training state, exactly.** Each layout trains one step through Lightning and the real
 strategy (one process; ZeroStrategy stage 1 and 2 at dp 2; hybrid tp 2, pp 2, ep 2 (a
@@ -170,6 +170,27 @@ def test_training_state_bytes_equal_the_held_tensors(
         pp_rank, dp_rank = divmod(rank // layout.dims.tp, layout.dims.dp)
         est = next(r for r in result.ranks if (r.pp_rank, r.dp_rank) == (pp_rank, dp_rank))
         got = {key: getattr(est, key) for key in ("parameters", "gradients", "optimizer")}
+        assert got == measured[name], (name, rank, got, measured[name])
+
+
+@pytest.mark.parametrize(
+    ("world", "name", "preset", "layout"),
+    [(world, *case) for world, cases in CASES.items() for case in cases],
+    ids=[name for cases in CASES.values() for name, *_ in cases],
+)
+def test_dry_run_bytes_equal_the_held_tensors(
+    held: dict, world: int, name: str, preset: str, layout: Layout
+) -> None:
+    """The dry run (one process per rank on torch's fake process group, meta tensors,
+    ``plugintrain estimate --dry_run``) against what the real ranks held, rank by rank."""
+    from plugintrain.estimate.dry_run import build_ranks
+
+    layout = dataclasses.replace(
+        layout, seq_len=SEQ, micro_batch=BATCH, precision="32-true", bucket_size_mb=BUCKET_MB
+    )
+    dry = build_ranks(_config(preset), layout, list(range(layout.world_size)))
+    for rank, measured in enumerate(held[world]):
+        got = {key: getattr(dry[rank], key) for key in ("parameters", "gradients", "optimizer")}
         assert got == measured[name], (name, rank, got, measured[name])
 
 

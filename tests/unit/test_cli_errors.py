@@ -70,7 +70,8 @@ def _fit_error(capfd, tmp_path: Path, data_dir: Path, *overrides: str) -> str:
             "--model.init_args.config=gpt2-debugg",
             "Unknown model preset 'gpt2-debugg'; known presets: ['deepseek-v3',"
             " 'deepseek-v3-debug', 'gpt2-1.5b', 'gpt2-124m', 'gpt2-350m', 'gpt2-774m',"
-            " 'gpt2-debug', 'llama3-debug', 'llama3.1-8b', 'llama3.2-1b', 'llama3.2-3b',"
+            " 'gpt2-debug', 'llama3-debug', 'llama3.1-405b', 'llama3.1-70b', 'llama3.1-8b',"
+            " 'llama3.2-1b', 'llama3.2-3b',"
             " 'moe-1b', 'qwen3-0.6b', 'qwen3-1.7b', 'qwen3-30b-a3b', 'qwen3-8b', 'qwen3-debug',"
             " 'qwen3-moe-debug'].",
         ),
