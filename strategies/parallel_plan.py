@@ -174,7 +174,7 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     Allocates nothing beyond what the rank keeps, plus the initializer's one chunk at a
     time. A module with no meta tensors is left as it is, and one without ``init_weights``
     to Lightning (which calls each submodule's ``reset_parameters``). ``device`` meta (a
-    dry run, :mod:`plugintrain.plan`) keeps the rank's part on meta, unallocated.
+    dry run, :mod:`plugintrain.estimate.dry_run`) keeps the rank's part on meta, unallocated.
     """
     tensors = itertools.chain(module.parameters(), module.buffers())
     if not callable(getattr(module, "init_weights", None)) or not any(t.is_meta for t in tensors):

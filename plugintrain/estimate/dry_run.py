@@ -65,6 +65,8 @@ class DryRank:
     """Each parameter's whole-model element count."""
     trace: StepTrace | None = None
     """The traced training step (``trace=True``)."""
+    peak_rss: int = 0
+    """The peak resident memory of the process that built this rank, in bytes."""
 
 
 BACKEND = "plugintrain_dry_run"
@@ -232,20 +234,23 @@ def _ownership(
     owned: dict[str, int] = {}
     copies: dict[str, int] = {}
     full: dict[str, int] = {}
+    for param in module.model.parameters():  # every trainable weight held: 0 until stepped
+        if param.requires_grad:
+            name = names[id(param)]
+            owned[name] = 0
+            replicas = dims.dp // dims.ep if id(param) in experts else dims.dp
+            copies[name] = tp_replicas(param, dims.tp) * (replicas if dims.zero_stage == 0 else 1)
+            full[name] = param.numel()
     for shard in stepped:
         param = engine.parameter_of(shard) if engine is not None else shard
-        name = names[id(param)]
         local = shard._local_tensor if isinstance(shard, DTensor) else shard
-        owned[name] = owned.get(name, 0) + local.numel()
-        replicas = dims.dp // dims.ep if id(param) in experts else dims.dp
-        copies[name] = tp_replicas(param, dims.tp) * (replicas if dims.zero_stage == 0 else 1)
-        full[name] = param.numel()
+        owned[names[id(param)]] += local.numel()
     return owned, copies, full
 
 
 def _strategy_dims(layout: Layout) -> Any:
-    """The degrees the layout's strategy builds its mesh with: data parallelism alone
-    (``zero1``, ``zero2``, ``ddp_bucketed``) is the hybrid mesh with dp = world."""
+    """A copy of the layout's degrees for this rank's mesh (data parallelism alone,
+    ``zero1``, ``zero2``, ``ddp_bucketed``, is already the mesh with dp = world)."""
     return dataclasses.replace(layout.dims)
 
 
@@ -278,16 +283,7 @@ def _traced_step(
     from plugintrain.precision_plugins import precision_plugin_from_name
     from plugintrain.strategies.hybrid import _cast_by_fsdp
 
-    if dims.ep > 1:
-        raise ValueError(
-            "expert_parallel > 1 is not traced: the token exchange sizes depend on the routing"
-            " of real data; leave out --trace (the bytes are still read)"
-        )
-    if dims.fsdp_enabled:
-        raise ValueError(
-            "zero_stage 3 (FSDP2) is not traced: FSDP2 copies real data between its shards"
-            " and buffers in a step; leave out --trace (the bytes are still read)"
-        )
+    untraced(layout)
     plugin = precision_plugin_from_name(layout.precision)
     _cast_by_fsdp(plugin, dims.fsdp_enabled)
     rows = layout.micro_batch * (layout.pipeline.microbatches if stages is not None else 1)
@@ -401,15 +397,18 @@ class _TrafficRecorder(TorchDispatchMode):
         from torch.utils._pytree import tree_flatten
 
         flat = tree_flatten(args)[0]
-        tensors = [a for a in flat if isinstance(a, Tensor)]
         group = next((g for g in map(_process_group, flat) if g is not None), None)
         if group is None:
             name = next((a for a in reversed(flat) if isinstance(a, str)), None)  # the group
             group = dist.distributed_c10d._resolve_process_group(name) if name else None
         size = group.size() if group is not None else self.world
-        nbytes = sum(_local(t).numel() * t.element_size() for t in tensors[:1])
+        op = func._schema.name.split("::")[-1]
+        # The whole buffer, as nccl-tests count it: a reduce-scatter's input (c10d's second
+        # argument), an all-gather's output (c10d's first; the functional one's input times
+        # the group), every tensor of a list (coalesced ops, a c10d op's tensor list).
+        nbytes = _tensor_bytes(args[1] if op in _FULL_INPUT_SECOND else args[0])
         if kind == "all_gather" and func.namespace == "_c10d_functional":
-            nbytes *= size  # the input is this rank's part; count the gathered buffer
+            nbytes *= size
         if kind in ("send", "recv"):
             peer = next(a for a in flat if isinstance(a, int) and not isinstance(a, bool))
             peer = dist.get_global_rank(group, peer) if group is not None else peer
@@ -428,6 +427,39 @@ class _TrafficRecorder(TorchDispatchMode):
             Traffic(op, dim, size, count, nbytes)
             for (op, dim, size), (count, nbytes) in sorted(self.calls.items())
         )
+
+
+def untraced(layout: Layout) -> None:
+    """Raise (one line) for a layout whose step cannot run on meta tensors yet."""
+    if layout.dims.ep > 1:
+        raise ValueError(
+            "expert_parallel > 1 is not traced: the token exchange sizes depend on the routing"
+            " of real data; leave out --trace (the bytes are still read)"
+        )
+    if layout.dims.fsdp_enabled:
+        raise ValueError(
+            "zero_stage 3 (FSDP2) is not traced: FSDP2 copies real data between its shards"
+            " and buffers in a step; leave out --trace (the bytes are still read)"
+        )
+
+
+_FULL_INPUT_SECOND = {
+    "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
+    "alltoall_base_", "alltoall_",
+}  # fmt: skip
+"""c10d ops whose whole buffer is their second argument (``output, input, ...``)."""
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or nested lists of them; a DTensor by
+    its local shard)."""
+    from torch.utils._pytree import tree_flatten
+
+    return sum(
+        _local(t).numel() * t.element_size()
+        for t in tree_flatten(value)[0]
+        if isinstance(t, Tensor)
+    )
 
 
 def _process_group(value: Any) -> Any:
@@ -514,9 +546,14 @@ def sample_ranks(layout: Layout) -> list[int]:
     return sorted(picked)
 
 
-def ownership_problems(ranks: list[DryRank], layout: Layout) -> list[str]:
-    """Every parameter's elements stepped exactly once per replica the layout keeps (over
-    all ranks: call with every rank): one line per parameter that is not."""
+def ownership_problems(
+    ranks: list[DryRank], layout: Layout, trainable: dict[str, int] | None = None
+) -> list[str]:
+    """Every trainable parameter's elements stepped exactly once per replica the layout
+    keeps, over all ranks (call with every rank): one line per parameter that is not,
+    or that no rank holds. ``trainable``: the whole model's trainable parameters (by
+    canonical name) and the pipeline stages each belongs on (:func:`trainable_stages`);
+    None: those the ranks hold, on the stages seen holding them."""
     if len(ranks) != layout.world_size:
         raise ValueError("the ownership check needs every rank (--ranks all)")
     stepped: dict[str, int] = {}
@@ -528,16 +565,42 @@ def ownership_problems(ranks: list[DryRank], layout: Layout) -> list[str]:
             stepped[name] = stepped.get(name, 0) + n
             stages.setdefault(name, set()).add(r.pp_rank)
             copies[name], full[name] = r.copies[name], r.full[name]
-    problems = []
+    expected_stages = trainable or {name: len(held) for name, held in stages.items()}
+    problems = [
+        f"parameter {name}: held by no rank (nothing would train it)"
+        for name in sorted(set(expected_stages) - set(stepped))
+    ]
     for name in sorted(stepped):
-        expected = full[name] * copies[name] * len(stages[name])
+        count = expected_stages.get(name, len(stages[name]))
+        expected = full[name] * copies[name] * count
         if stepped[name] != expected:
             problems.append(
                 f"parameter {name}: {stepped[name]} elements stepped over all ranks, expected"
-                f" {expected} ({full[name]} x {copies[name]} replicas x {len(stages[name])}"
-                " stages)"
+                f" {expected} ({full[name]} x {copies[name]} replicas x {count} stages)"
             )
     return problems
+
+
+def trainable_stages(config: TransformerConfig, layout: Layout) -> dict[str, int]:
+    """The whole model's trainable parameters (canonical names; LoRA: its adapters) and
+    how many pipeline stages hold each: two for a weight tied across the first and the
+    last stage, else one (built on the meta device in this process)."""
+    from plugintrain.model_zoo import CausalLM
+
+    module = CausalLM(config)
+    with torch.device("meta"):
+        module.configure_model()
+    if layout.lora is not None:
+        _inject_lora(module, layout)
+    tied = dict(module.model.tied_parameters())
+    canonical = {b: a for a, b in tied.items()}
+    stages = 2 if layout.dims.pp > 1 else 1
+    names = {}
+    for name, param in module.model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            name = canonical.get(name, name)
+            names[name] = stages if name in tied else 1
+    return names
 
 
 def balance_problems(
@@ -582,45 +645,77 @@ def build_ranks(
     workers: int | None = None,
 ) -> list[DryRank]:  # fmt: skip
     """:func:`dry_rank` for each of ``ranks``, each in a process of its own (nothing a rank's
-    world leaves behind, process groups and meshes, reaches the next), ``workers`` at a time
-    (default: the CPU cores, at most 8). The processes are forked from a fork server that
-    imported torch and plugintrain once (never from this process, which may have threads).
+    world leaves behind, process groups and meshes, reaches the next, and no process's
+    memory grows with the world), ``workers`` at a time (default: the CPU cores, at most 8).
+    The processes are forked from a fork server that imported torch and the strategies
+    once (never from this process, which may have threads).
 
     Raises:
-        ValueError: The first rank's one-line error, in rank order.
+        ValueError: The first rank's one-line error, in rank order (a rank that fails in
+            another way, or whose process dies, too).
     """
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    workers = workers or min(8, os.cpu_count() or 1)
+    workers = min(workers or min(8, os.cpu_count() or 1), len(ranks))
     context = multiprocessing.get_context("forkserver")
-    _preload(context, ["torch", "torch.distributed", __name__])
-    with context.Pool(min(workers, len(ranks)), maxtasksperchild=1) as pool:
-        results = pool.starmap(_rank_or_error, [(config, layout, r, trace) for r in ranks])
+    _preload(context, PRELOAD)
+    jobs = [(config, layout, r, trace) for r in ranks]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=context, max_tasks_per_child=1) as pool:
+            results = list(pool.map(_rank_or_error, *zip(*jobs, strict=True), chunksize=1))
+    except BrokenProcessPool:
+        raise ValueError(
+            "a dry-run rank's process died (out of memory?); run fewer at once with a"
+            " smaller --ranks list"
+        ) from None
     for result in results:
         if isinstance(result, str):
             raise ValueError(result)
     return results
 
 
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.utils.flop_counter",
+    "torch.testing._internal.distributed.fake_pg", "lightning.pytorch",
+    "plugintrain.model_zoo.lm", "plugintrain.strategies.hybrid",
+    "plugintrain.strategies.parallel_plan", "plugintrain.strategies.pipeline_runtime",
+    "plugintrain.precision_plugins", "plugintrain.core.memory", "plugintrain.estimate.search",
+    "plugintrain.estimate.dry_run",
+]  # fmt: skip
+"""What the fork server imports once, so that no rank's process imports it again."""
+
+
 def _preload(context: Any, modules: list[str]) -> None:
     """Add ``modules`` to what the fork server imports when it starts (keeping what this
-    process asked for before; nothing once it runs)."""
+    process asked for before; nothing once it runs). Only a speed-up: skipped if this
+    Python's fork server keeps its state elsewhere."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver
-    if getattr(server, "_forkserver_pid", None) is None:
-        asked = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
-        context.set_forkserver_preload(list(dict.fromkeys([*asked, *modules])))
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+        return
+    asked = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
+    context.set_forkserver_preload(list(dict.fromkeys([*asked, *modules])))
 
 
 def _rank_or_error(
     config: TransformerConfig, layout: Layout, rank: int, trace: bool
 ) -> DryRank | str:
-    """A worker's :func:`dry_rank`: its one-line error as a string (sent back as is)."""
+    """A worker's :func:`dry_rank` (with its process's peak RSS); its error as one line
+    (sent back as a string): a launch's refusal as it is, anything else with its type."""
+    import resource
+
     try:
-        return dry_rank(config, layout, rank, trace)
+        built = dry_rank(config, layout, rank, trace)
     except ValueError as error:
         return str(error)
+    except Exception as error:  # a kernel or DTensor rule the meta device lacks
+        text = str(error).splitlines()[0][:300] if str(error) else ""
+        return f"rank {rank}: {type(error).__name__}: {text} (the dry run cannot build it)"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dataclasses.replace(built, peak_rss=rss)
 
 
 def parse_ranks(text: str, layout: Layout) -> list[int]:
@@ -770,6 +865,8 @@ def dry_run(
     import resource
     import time
 
+    if trace:
+        untraced(layout)
     start = time.monotonic()
     built = build_ranks(config, layout, ranks, trace)  # a rank's error names the rank
     seconds = time.monotonic() - start
@@ -781,8 +878,8 @@ def dry_run(
     for r in built:
         e = by_position[(r.pp_rank, r.dp_rank)]
         estimated[r.rank] = (e.parameters, e.gradients, e.optimizer, e.total)
-    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF,
-              resource.RUSAGE_CHILDREN)) * 1024  # fmt: skip
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = max([own, *(r.peak_rss for r in built)])  # this process's and each rank's
     report = DryRunReport(built, estimated, seconds, rss, [], layout.world_size)
     problems = report.problems
     for r in built:
@@ -801,5 +898,5 @@ def dry_run(
     problems += balance_problems(built, config, layout)
     problems += p2p_problems(built)
     if len(built) == layout.world_size:
-        problems += ownership_problems(built, layout)
+        problems += ownership_problems(built, layout, trainable_stages(config, layout))
     return report

@@ -138,6 +138,13 @@ def load_config(model: str) -> TransformerConfig:
         raise ValueError(f"{model}: {error}; use TransformerConfig's field names") from None
 
 
+_LAYOUT_OPTIONS = (
+    "strategy", "dp", "tp", "sp", "pp", "vpp", "ep", "zero_stage", "precision", "micro_batch",
+    "seq_len", "microbatches", "schedule", "layers_per_stage", "recompute", "every_n_layers",
+    "lora_r", "lora_targets", "bucket_size_mb",
+)  # fmt: skip
+
+
 def _model_and_layout(args: argparse.Namespace) -> tuple[TransformerConfig, Layout]:
     """From ``--config RECIPE``, or from MODEL and the layout options."""
     if (args.config is None) == (args.model is None):
@@ -145,6 +152,12 @@ def _model_and_layout(args: argparse.Namespace) -> tuple[TransformerConfig, Layo
     if args.config is not None:
         from plugintrain.estimate.recipe import recipe_layout
 
+        given = [f"--{k}" for k in _LAYOUT_OPTIONS if getattr(args, k) != _parser().get_default(k)]
+        if given:
+            raise ValueError(
+                f"--config takes the layout from the recipe; leave out {', '.join(given)}"
+                " (or edit the recipe)"
+            )
         return recipe_layout(args.config)
     config = load_config(args.model)
     return config, _layout(args, config)

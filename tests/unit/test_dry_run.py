@@ -21,12 +21,12 @@ from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.estimate import Layout
 from plugintrain.estimate.dry_run import (
     DryRank,
-    StepTrace,
     build_ranks,
     ownership_problems,
     p2p_problems,
     parse_ranks,
     sample_ranks,
+    trainable_stages,
 )
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 
@@ -85,7 +85,7 @@ def test_collectives_are_found_on_their_mesh_dimension(traced) -> None:
     def ops(rank: DryRank) -> set[tuple[str, str, int]]:
         return {(t.op, t.dim, t.group_size) for t in rank.trace.traffic}
 
-    assert {size for *_, size in ops(traced["one"][0])} <= {1}  # a world of one
+    assert ops(traced["one"][0]) == {("all_reduce", "dp", 1)}  # the engine, a world of one
     tp = ops(traced["tp2"][0])  # sequence parallelism: all-gather in, reduce-scatter out
     assert {("all_gather", "tp", 2), ("reduce_scatter", "tp", 2)} <= tp
     dp = ops(traced["dp2"][0])  # ZeRO-2: gradients reduce-scattered, parameters gathered
@@ -93,6 +93,14 @@ def test_collectives_are_found_on_their_mesh_dimension(traced) -> None:
     pp = traced["pp2"]  # stage 0 (ranks 0, 1) sends activations to stage 1 (ranks 2, 3)
     assert [(k, peer) for k, peer, _ in pp[0].trace.p2p if k == "send"] == [("send", 2)] * 2
     assert p2p_problems(pp) == []
+
+
+def test_the_engine_s_traffic_is_its_whole_buffers(traced) -> None:
+    """ZeRO-2 reduce-scatters every gradient bucket once and all-gathers every parameter
+    bucket once per step: each is the padded flat buffer whose storage the rank holds."""
+    for rank in traced["dp2"]:
+        dp = {t.op: t.bytes for t in rank.trace.traffic if t.dim == "dp"}
+        assert dp["reduce_scatter"] == dp["all_gather"] == rank.parameters, rank.trace.traffic
 
 
 def test_an_unpaired_send_is_reported_with_both_ranks(traced) -> None:
@@ -107,13 +115,34 @@ def test_an_unpaired_send_is_reported_with_both_ranks(traced) -> None:
 def test_every_parameter_is_stepped_once_and_a_lost_shard_is_named(traced) -> None:
     layout = _layout(pp=2, dp=2, zero_stage=1, microbatches=2)
     ranks = list(traced["pp2"])
-    assert ownership_problems(ranks, layout) == []
+    assert ownership_problems(ranks, layout, trainable_stages(CONFIG, layout)) == []
     owned = dict(ranks[1].owned)
     name = "layers.0.attention.wq.weight"
     owned[name] -= 1  # rank 1's optimizer misses one element of its shard
     ranks[1] = dataclasses.replace(ranks[1], owned=owned)
-    problems = ownership_problems(ranks, layout)
+    problems = ownership_problems(ranks, layout, trainable_stages(CONFIG, layout))
     assert len(problems) == 1 and problems[0].startswith(f"parameter {name}: "), problems
+
+
+def test_a_weight_no_rank_steps_or_holds_is_named(traced) -> None:
+    layout = _layout(pp=2, dp=2, zero_stage=1, microbatches=2)
+    expected = trainable_stages(CONFIG, layout)
+    assert expected["tok_embeddings.weight"] == 2  # tied: the first and the last stage
+    ranks = list(traced["pp2"])
+    assert ownership_problems(ranks, layout, expected) == []
+    # The last stage's optimizer leaves the tied head out (on both of its dp ranks).
+    for i in (2, 3):
+        owned = {**ranks[i].owned, "tok_embeddings.weight": 0}
+        ranks[i] = dataclasses.replace(ranks[i], owned=owned)
+    problems = ownership_problems(ranks, layout, expected)
+    assert [p.split(":")[0] for p in problems] == ["parameter tok_embeddings.weight"], problems
+    # A weight that no rank holds at all.
+    lost = "layers.3.ffn_norm.weight"
+    ranks = [dataclasses.replace(r, owned={k: v for k, v in r.owned.items() if k != lost})
+             for r in traced["pp2"]]  # fmt: skip
+    assert ownership_problems(ranks, layout, expected) == [
+        f"parameter {lost}: held by no rank (nothing would train it)"
+    ]
 
 
 def test_sample_ranks_cover_every_stage_and_edge() -> None:
@@ -135,7 +164,8 @@ def _dry_run_error(capsys, *args: str) -> str:
 
 def test_a_layout_the_model_cannot_split_names_the_rank_and_value(capsys) -> None:
     line = _dry_run_error(capsys, "llama3-debug", "--tp", "3", "--ranks", "2")
-    assert line.startswith("plugintrain estimate: error: rank 2: ") and "3" in line, line
+    assert line.startswith("plugintrain estimate: error: rank 2: "), line
+    assert "not divisible by tensor_parallel=3" in line, line
 
 
 def test_a_rank_over_memory_is_named(capsys) -> None:
@@ -165,7 +195,3 @@ def test_dry_run_options_without_dry_run_are_refused(capsys) -> None:
     assert code == 2
     assert capsys.readouterr().err.strip().endswith("--trace, --memory and --ranks go with"
                                                     " --dry_run; add it")  # fmt: skip
-
-
-def test_step_trace_is_plain_data() -> None:
-    assert dataclasses.is_dataclass(StepTrace)

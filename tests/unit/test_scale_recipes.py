@@ -28,10 +28,29 @@ def test_scale_recipe_dry_runs_clean(recipe: Path, capsys) -> None:
 
 
 def test_the_scale_recipes_are_the_issue_s_layouts() -> None:
-    worlds = {p.stem: recipe_layout(p)[1].world_size for p in SCALE.glob("*.yaml")}
-    assert worlds == {
-        "llama3_405b_1024gpu": 1024,
-        "deepseek_v3_2048gpu": 2048,
-        "llama3_8b_64gpu": 64,
-        "qwen3_8b_8gpu": 8,
+    """World, model, degrees, ZeRO stage, micro-batch size and count, as the strategy the
+    recipe names reads them."""
+
+    def shape(path: Path) -> tuple:
+        config, layout = recipe_layout(path)
+        d, p = layout.dims, layout.pipeline
+        count = p.microbatches if d.pp > 1 else None
+        return (layout.world_size, config.name, d.dp, d.tp, d.sequence_parallel, d.pp, d.vpp,
+                d.ep, layout.stage, layout.micro_batch, count)  # fmt: skip
+
+    assert {p.stem: shape(p) for p in SCALE.glob("*.yaml")} == {
+        "llama3_405b_1024gpu": (1024, "llama3.1-405b", 8, 8, True, 16, 2, 1, 1, 1, 32),
+        "deepseek_v3_2048gpu": (2048, "deepseek-v3", 128, 1, False, 16, 1, 64, 1, 1, 32),
+        "llama3_8b_64gpu": (64, "llama3.1-8b", 64, 1, False, 1, 1, 1, 3, 1, None),
+        "qwen3_8b_8gpu": (8, "qwen3-8b", 4, 2, True, 1, 1, 1, 2, 2, None),
     }
+
+
+def test_a_recipe_the_strategy_would_refuse_is_one_line(tmp_path, capsys) -> None:
+    text = (SCALE / "qwen3_8b_8gpu.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("tensor_parallel: 2", "tensor_parallel: 3"))
+    assert main(["estimate", "--config", str(bad)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"plugintrain estimate: error: {bad}: world_size=8 is not divisible"
+                           " by tensor_parallel=3"), line  # fmt: skip
