@@ -69,6 +69,10 @@ CASES: dict[int, list[tuple[str, str, Layout]]] = {
         # Experts split over ep: their buckets are sharded over the dp / ep = 1 ranks
         # holding them, the rest over dp.
         ("dp2xep2", "deepseek-v3-debug", Layout.of("hybrid", dp=2, ep=2, zero_stage=2)),
+        # Replicated state (ZeRO-0), FSDP2 and an interleaved pipeline (2 chunks per rank).
+        ("ddp_bucketed", "gpt2-debug", Layout.of("ddp_bucketed", dp=2)),
+        ("fsdp2", "llama3-debug", Layout.of("hybrid", dp=2, zero_stage=3)),
+        ("pp2xvpp2", "llama3-debug", Layout.of("hybrid", pp=2, vpp=2, microbatches=2)),
     ],
     8: [("dp2xtp2xpp2", "gpt2-debug", Layout.of("hybrid", dp=2, tp=2, pp=2, zero_stage=2))],
 }
@@ -77,14 +81,14 @@ CASES: dict[int, list[tuple[str, str, Layout]]] = {
 def _strategy(layout: Layout) -> Any:
     if layout.strategy == "single":
         return "auto"
-    if layout.strategy in ("zero1", "zero2"):
+    if layout.strategy in ("ddp_bucketed", "zero1", "zero2"):
         return ZeroStrategy(stage=layout.stage, bucket_size_mb=BUCKET_MB)
     dims, counts = layout.dims, layout.pipeline.layers_per_stage
     return HybridParallelStrategy(
         data_parallel=dims.dp, tensor_parallel=dims.tp, pipeline_parallel=dims.pp,
-        microbatches=layout.pipeline.microbatches, zero_stage=dims.zero_stage,
-        layers_per_stage=None if counts is None else list(counts), bucket_size_mb=BUCKET_MB,
-        expert_parallel=dims.ep,
+        virtual_pipeline_parallel=dims.vpp, microbatches=layout.pipeline.microbatches,
+        zero_stage=dims.zero_stage, layers_per_stage=None if counts is None else list(counts),
+        bucket_size_mb=BUCKET_MB, expert_parallel=dims.ep,
     )  # fmt: skip
 
 
