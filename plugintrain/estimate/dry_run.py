@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from plugintrain.estimate.layout import Layout
 from plugintrain.model_zoo.config import TransformerConfig
@@ -352,70 +352,113 @@ def _local_flop_counter(**kwargs: Any) -> Any:
     return _flop_counter_class()(**kwargs)
 
 
-_OPS = {
-    "allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
-    "allgather_": "all_gather", "_allgather_base_": "all_gather",
-    "all_gather_into_tensor": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
-    "broadcast_": "broadcast", "send": "send", "recv_": "recv",
+_DIST_CALLS = {  # torch.distributed: name -> (kind, the argument holding the whole buffer)
+    "all_reduce": ("all_reduce", "tensor"), "broadcast": ("broadcast", "tensor"),
+    "reduce": ("reduce", "tensor"), "gather": ("gather", "tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "send": ("send", "tensor"), "isend": ("send", "tensor"),
+    "recv": ("recv", "tensor"), "irecv": ("recv", "tensor"),
+}  # fmt: skip
+_FUNCOL_CALLS = {  # functional collectives (what DTensor runs): name -> (kind, buffer arg)
+    "all_reduce": ("all_reduce", "self"), "all_reduce_coalesced": ("all_reduce", "self"),
+    "broadcast": ("broadcast", "self"),
+    "all_gather_tensor": ("all_gather", "self"), "all_gather_single": ("all_gather", "self"),
+    "all_gather_tensor_autograd": ("all_gather", "self"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "self"),
+    "reduce_scatter_tensor": ("reduce_scatter", "self"),
+    "reduce_scatter_single": ("reduce_scatter", "self"),
+    "reduce_scatter_tensor_autograd": ("reduce_scatter", "self"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
+    "all_to_all_single": ("all_to_all", "self"),
+    "all_to_all_single_autograd": ("all_to_all", "self"),
 }  # fmt: skip
 
 
-class _TrafficRecorder(TorchDispatchMode):
-    """Every c10d and functional collective run under it: kind, group, size."""
+class _TrafficRecorder:
+    """Every collective issued while it is entered, through ``torch.distributed`` or the
+    functional collectives (which DTensor runs inside its own operators too), recorded
+    once (a call made inside another recorded call is that call's): kind, group, size.
+
+    Whole buffers, as nccl-tests count them: an all-gather's output (the functional one's
+    input times the group), a reduce-scatter's input, every tensor of a list."""
 
     def __init__(self, mesh: Any, rank: int) -> None:
-        super().__init__()
         self.rank = rank
         self.calls: dict[tuple[str, str, int], list[int]] = {}
         self.p2p: list[tuple[str, int, int]] = []
-        names = mesh.mesh_dim_names or ()
-        self.dims: dict[frozenset[int], str] = {}
-        for name in names:
-            self.dims.setdefault(
-                frozenset(dist.get_process_group_ranks(mesh[name].get_group())), name
-            )
-        if len(names) > 1:
-            for i, a in enumerate(names):
-                for b in names[i + 1 :]:
-                    with contextlib.suppress(Exception):
-                        ranks = dist.get_process_group_ranks(mesh[a, b]._flatten().get_group())
-                        self.dims.setdefault(frozenset(ranks), f"{a},{b}")
+        self.dims = _mesh_groups(mesh, rank)
         self.world = dist.get_world_size()
+        self._depth = 0
+        self._patched: list[tuple[Any, str, Any]] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kind = _OPS.get(func._schema.name.split("::")[-1]) if func.namespace in (
-            "c10d", "_c10d_functional") else None  # fmt: skip
-        if kind is not None:
-            self._record(func, kind, args)
-        return func(*args, **(kwargs or {}))
+    def __enter__(self) -> _TrafficRecorder:
+        import inspect
 
-    def _record(self, func: Any, kind: str, args: Any) -> None:
-        from torch.utils._pytree import tree_flatten
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
 
-        flat = tree_flatten(args)[0]
-        group = next((g for g in map(_process_group, flat) if g is not None), None)
-        if group is None:
-            name = next((a for a in reversed(flat) if isinstance(a, str)), None)  # the group
-            group = dist.distributed_c10d._resolve_process_group(name) if name else None
-        size = group.size() if group is not None else self.world
-        op = func._schema.name.split("::")[-1]
-        # The whole buffer, as nccl-tests count it: a reduce-scatter's input (c10d's second
-        # argument), an all-gather's output (c10d's first; the functional one's input times
-        # the group), every tensor of a list (coalesced ops, a c10d op's tensor list).
-        nbytes = _tensor_bytes(args[1] if op in _FULL_INPUT_SECOND else args[0])
-        if kind == "all_gather" and func.namespace == "_c10d_functional":
-            nbytes *= size
+        for modules, table, functional in (
+            ((dist, c10d), _DIST_CALLS, False),
+            ((funcol,), _FUNCOL_CALLS, True),
+        ):
+            for name, (kind, buffer) in table.items():
+                original = getattr(modules[0], name, None)
+                if original is None:
+                    continue
+                wrapper = self._wrap(original, inspect.signature(original), kind, buffer,
+                                     functional)  # fmt: skip
+                for module in modules:
+                    if getattr(module, name, None) is original:
+                        self._patched.append((module, name, original))
+                        setattr(module, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, original in reversed(self._patched):
+            setattr(module, name, original)
+        self._patched = []
+
+    def _wrap(self, fn: Any, signature: Any, kind: str, buffer: str, functional: bool) -> Any:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                with contextlib.suppress(TypeError):
+                    bound = signature.bind(*args, **kwargs).arguments
+                    self._record(kind, bound, buffer, functional)
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return recorded
+
+    def _record(self, kind: str, bound: dict[str, Any], buffer: str, functional: bool) -> None:
+        group = bound.get("group")
+        if functional:
+            import torch.distributed._functional_collectives as funcol
+
+            name = funcol._resolve_group_name(group, bound.get("tag", ""))
+            group = dist.distributed_c10d._resolve_process_group(name)
+        group = group if group is not None else dist.group.WORLD
+        size = dist.get_world_size(group)
+        nbytes = _tensor_bytes(bound.get(buffer))
+        if functional and kind == "all_gather":
+            nbytes *= size  # its input is this rank's part
         if kind in ("send", "recv"):
-            peer = next(a for a in flat if isinstance(a, int) and not isinstance(a, bool))
-            peer = dist.get_global_rank(group, peer) if group is not None else peer
+            peer = bound.get("dst" if kind == "send" else "src")
+            if peer is None:  # a rank within the group
+                local = bound.get("group_dst" if kind == "send" else "group_src")
+                peer = dist.get_global_rank(group, local)
             self.p2p.append((kind, peer, nbytes))
             key = (kind, f"rank {peer}", size)
         else:
-            ranks = frozenset(dist.get_process_group_ranks(group)) if group is not None else None
+            ranks = frozenset(dist.get_process_group_ranks(group))
             dim = self.dims.get(ranks, "world" if size == self.world else f"{size} ranks")
             key = (kind, dim, size)
         entry = self.calls.setdefault(key, [0, 0])
@@ -427,6 +470,25 @@ class _TrafficRecorder(TorchDispatchMode):
             Traffic(op, dim, size, count, nbytes)
             for (op, dim, size), (count, nbytes) in sorted(self.calls.items())
         )
+
+
+def _mesh_groups(mesh: Any, rank: int) -> dict[frozenset[int], str]:
+    """The ranks of this rank's group along each mesh dimension and each pair of them
+    (FSDP2 over ``dp,tp``; the flattened ``edp,ep`` = dp), read from the mesh's rank
+    grid (no group is created) -> their names."""
+    grid = mesh.mesh
+    names = list(mesh.mesh_dim_names or ())
+    where = (grid == rank).nonzero()
+    if where.numel() == 0:
+        return {}
+    coords = where[0].tolist()
+    groups: dict[frozenset[int], str] = {}
+    for count in (1, 2):
+        for picked in itertools.combinations(range(len(names)), count):
+            index = tuple(slice(None) if d in picked else coords[d] for d in range(len(names)))
+            ranks = frozenset(grid[index].flatten().tolist())
+            groups.setdefault(ranks, ",".join(names[d] for d in picked))
+    return groups
 
 
 def untraced(layout: Layout) -> None:
@@ -443,13 +505,6 @@ def untraced(layout: Layout) -> None:
         )
 
 
-_FULL_INPUT_SECOND = {
-    "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
-    "alltoall_base_", "alltoall_",
-}  # fmt: skip
-"""c10d ops whose whole buffer is their second argument (``output, input, ...``)."""
-
-
 def _tensor_bytes(value: Any) -> int:
     """Bytes of the tensors in ``value`` (a tensor, or nested lists of them; a DTensor by
     its local shard)."""
@@ -460,16 +515,6 @@ def _tensor_bytes(value: Any) -> int:
         for t in tree_flatten(value)[0]
         if isinstance(t, Tensor)
     )
-
-
-def _process_group(value: Any) -> Any:
-    """The ProcessGroup a c10d op's argument boxes (a ``torch.ScriptObject``), or None."""
-    if isinstance(value, dist.ProcessGroup):
-        return value
-    if isinstance(value, torch.ScriptObject):
-        with contextlib.suppress(Exception):
-            return dist.ProcessGroup.unbox(value)
-    return None
 
 
 def _local(t: Tensor) -> Tensor:
