@@ -34,8 +34,8 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from plugintrain.bench.recorder import BenchRecorder, RankRecord, optimizer_tensors, storage_bytes
-from plugintrain.core.memory import LiveTensorMemory
+from plugintrain.bench.recorder import BenchRecorder, RankRecord, optimizer_tensors
+from plugintrain.core.memory import LiveTensorMemory, storage_bytes
 from plugintrain.core.peak_flops import device_peak_flops
 from plugintrain.core.profiling import device_seconds
 

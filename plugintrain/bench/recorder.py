@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from plugintrain.callbacks.throughput import _data_parallel_replicas
 from plugintrain.core.contracts import HoldsGradients
-from plugintrain.core.memory import LiveTensorMemory
+from plugintrain.core.memory import LiveTensorMemory, storage_bytes
 from plugintrain.core.peak_flops import device_peak_flops
 from plugintrain.core.profiling import device_seconds
 
@@ -60,17 +60,6 @@ class RankRecord:
     def write(self, out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"rank{self.rank}.json").write_text(json.dumps(asdict(self)))
-
-
-def storage_bytes(tensors: list[Tensor | None]) -> int:
-    """Bytes of the distinct storages under ``tensors`` (DTensors: their local shards;
-    None, a parameter without a gradient, counts nothing)."""
-    seen: dict[int, int] = {}
-    for tensor in filter(lambda t: t is not None, tensors):
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def optimizer_tensors(optimizers: list[Optimizer]) -> list[Tensor]:

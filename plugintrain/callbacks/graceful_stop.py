@@ -98,7 +98,6 @@ class GracefulStop(Callback):
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[int, int] | None = None  # the pipe signal numbers arrive on
         self._previous_wakeup = -1
-        self._trainer: pl.Trainer | None = None
         self._watchdog: threading.Thread | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> GracefulStop:
@@ -130,7 +129,6 @@ class GracefulStop(Callback):
         if stage != "fit":
             return
         self._reset()  # a second fit in the same process starts clean
-        self._trainer = trainer
         self._requeue_signal, self._requeues = _slurm_requeue(trainer, self.requeue)
         connector = getattr(trainer, "_signal_connector", None)
         if connector is not None:  # its SIGTERM handler runs a collective: never install it

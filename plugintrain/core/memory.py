@@ -57,6 +57,20 @@ def _storage_ptrs(value: Any) -> set[int]:
     return {ptr} if ptr else set()
 
 
+def storage_bytes(tensors: Iterable[Tensor | None]) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors: their local shards;
+    None, a parameter without a gradient, counts nothing), on any device, the meta device
+    included: a storage is told apart by its C++ object, which views share."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storage = local.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
 class LiveTensorMemory(TorchDispatchMode):
     """Bytes of live tensor storage on one device type (``"cpu"`` by default; ``"meta"``
     counts the bytes unallocated tensors would take), with the peak.

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from plugintrain.core.memory import storage_bytes
 from plugintrain.estimate.layout import Layout
 from plugintrain.model_zoo.config import TransformerConfig
 
@@ -150,13 +151,15 @@ def dry_rank(config: TransformerConfig, layout: Layout, rank: int, trace: bool =
 
 def _build_rank(config: TransformerConfig, layout: Layout, rank: int, trace: bool) -> DryRank:
     from plugintrain.model_zoo import CausalLM
+    from plugintrain.precision_plugins import precision_dtypes, precision_plugin_from_name
     from plugintrain.strategies.parallel_plan import check_model_fits, prepare_model
 
-    dims = _strategy_dims(layout)
+    dims = layout.dims
     mesh = dims.build_mesh("cpu")
-    dtypes = _dtypes(layout.precision)
+    plugin = precision_plugin_from_name(layout.precision)
+    dtypes = precision_dtypes(plugin)
     module = CausalLM(config)
-    with torch.device("meta"), _default_dtype(dtypes.params):
+    with torch.device("meta"), plugin.tensor_init_context():  # as the strategy builds it
         module.configure_model()
     if layout.lora is not None:
         _inject_lora(module, layout)
@@ -172,7 +175,7 @@ def _build_rank(config: TransformerConfig, layout: Layout, rank: int, trace: boo
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     traced = None
     if trace:
-        traced = _traced_step(module, layout, dims, mesh, stages, engine, optimizer, rank)
+        traced = _traced_step(module, layout, plugin, mesh, stages, engine, optimizer, rank)
     else:
         _one_step(optimizer, stepped, engine)
     params = list(module.parameters())
@@ -248,12 +251,6 @@ def _ownership(
     return owned, copies, full
 
 
-def _strategy_dims(layout: Layout) -> Any:
-    """A copy of the layout's degrees for this rank's mesh (data parallelism alone,
-    ``zero1``, ``zero2``, ``ddp_bucketed``, is already the mesh with dp = world)."""
-    return dataclasses.replace(layout.dims)
-
-
 def _one_step(optimizer: torch.optim.Optimizer, stepped: list[Tensor], engine: Any) -> None:
     """The optimizer's first step, which creates its state as a real step does. With the
     engine, its own end of backward: every bucket reduced (a gradient that never arrived
@@ -268,7 +265,7 @@ def _one_step(optimizer: torch.optim.Optimizer, stepped: list[Tensor], engine: A
 
 
 def _traced_step(
-    module: Any, layout: Layout, dims: Any, mesh: Any, stages: Any, engine: Any,
+    module: Any, layout: Layout, plugin: Any, mesh: Any, stages: Any, engine: Any,
     optimizer: torch.optim.Optimizer, rank: int,
 ) -> StepTrace:  # fmt: skip
     """One training step of this rank on meta inputs (zeros: every token id valid), as the
@@ -280,12 +277,9 @@ def _traced_step(
     from torch.distributed.tensor.parallel import loss_parallel
 
     from plugintrain.core.memory import LiveTensorMemory
-    from plugintrain.precision_plugins import precision_plugin_from_name
-    from plugintrain.strategies.hybrid import _cast_by_fsdp
 
-    untraced(layout)
-    plugin = precision_plugin_from_name(layout.precision)
-    _cast_by_fsdp(plugin, dims.fsdp_enabled)
+    untraced(layout)  # not FSDP2: the plugin's autocast runs the forward, as it does then
+    dims = layout.dims
     rows = layout.micro_batch * (layout.pipeline.microbatches if stages is not None else 1)
     tokens = torch.zeros(rows, layout.seq_len, dtype=torch.long, device="meta")
     recorder = _TrafficRecorder(mesh, rank)
@@ -527,40 +521,6 @@ def _dp_rank(where: dict[str, int], mesh: Any) -> int:
     if "edp" in where:  # expert parallelism: dp = edp x ep
         return where["edp"] * mesh["ep"].size() + where["ep"]
     return 0
-
-
-def storage_bytes(tensors: list[Tensor | None]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a DTensor by its local shard),
-    on any device, the meta device included (a storage is told apart by its C++ object,
-    which views share)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
-
-
-def _dtypes(precision: str) -> Any:
-    from plugintrain.precision_plugins import precision_dtypes
-
-    class _Named:
-        def __init__(self, name: str) -> None:
-            self.precision = name
-
-    return precision_dtypes(_Named(precision))  # type: ignore[arg-type]
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _inject_lora(module: Any, layout: Layout) -> None:

@@ -18,6 +18,18 @@ from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
 from plugintrain.model_zoo.lora import LoRASpec, inject
 
 
+def read_lora_run(path: str | Path, fix: str) -> tuple[CheckpointReader, LoRASpec]:
+    """The reader of a LoRA run's checkpoint at ``path`` and its adapters' spec.
+
+    Raises:
+        ValueError: One line ending in ``fix``, if ``path`` holds a whole model instead.
+    """
+    reader = CheckpointReader(Path(path))
+    if reader.lora is None:
+        raise ValueError(f"{path} holds no LoRA adapters (a whole model's checkpoint); {fix}")
+    return reader, LoRASpec.from_record(reader.lora["spec"])
+
+
 @torch.no_grad()
 def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
     """Put the adapters of the adapter checkpoint at ``path`` (a LoRA run's ``.ckpt`` file
@@ -29,13 +41,7 @@ def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
         ValueError: If ``path`` holds no adapters, or not those of this model.
     """
 
-    reader = CheckpointReader(Path(path))
-    if reader.lora is None:
-        raise ValueError(
-            f"{path} holds no LoRA adapters (it is a whole model's checkpoint); pass it as the"
-            " model's weights instead"
-        )
-    spec = LoRASpec.from_record(reader.lora["spec"])
+    reader, spec = read_lora_run(path, "pass it as the model's weights instead")
     inject(module, spec)
     params = dict(module.named_parameters())
     saved = set(reader.names())

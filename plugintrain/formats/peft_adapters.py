@@ -323,17 +323,13 @@ def export_peft(checkpoint: str | Path, out: Path, overwrite: bool = False) -> d
             or adapters PEFT cannot hold.
     """
     from plugintrain.core.atomic_files import PARTIAL_SUFFIX, fsync_tree, publish, remove, sibling
-    from plugintrain.formats.checkpoint import CheckpointReader
     from plugintrain.formats.convert import check_output
+    from plugintrain.formats.lora_checkpoints import read_lora_run
 
     check_output(out, overwrite)
-    reader = CheckpointReader(Path(checkpoint))
-    if reader.lora is None:
-        raise ValueError(
-            f"{checkpoint} holds no LoRA adapters (a whole model's checkpoint); export it"
-            " with --format hf, or pass a LoRA run's checkpoint"
-        )
-    spec = LoRASpec.from_record(reader.lora["spec"])
+    reader, spec = read_lora_run(
+        checkpoint, "export it with --format hf, or pass a LoRA run's checkpoint"
+    )
     names = [n for n in reader.names() if n.endswith((".lora_A", ".lora_B"))]
     adapters = {name: reader.read(name) for name in names}
     problem = export_problem(spec)

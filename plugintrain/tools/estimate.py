@@ -152,7 +152,8 @@ def _model_and_layout(args: argparse.Namespace) -> tuple[TransformerConfig, Layo
     if args.config is not None:
         from plugintrain.estimate.recipe import recipe_layout
 
-        given = [f"--{k}" for k in _LAYOUT_OPTIONS if getattr(args, k) != _parser().get_default(k)]
+        defaults = _parser()
+        given = [f"--{k}" for k in _LAYOUT_OPTIONS if getattr(args, k) != defaults.get_default(k)]
         if given:
             raise ValueError(
                 f"--config takes the layout from the recipe; leave out {', '.join(given)}"
