@@ -25,7 +25,6 @@ TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plugintrain`` console script and ``python -m plugintrain``."""
     from plugintrain.tools import TOOLS, print_overview
-    from plugintrain.tools.recipes import resolve_config_args
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -34,9 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] in TOOLS:
         return TOOLS[args[0]](args[1:])
     try:
-        _check_command(args[0], [*TRAINING_COMMANDS, *TOOLS])
-        args = resolve_config_args(args)  # --config NAME: a packaged recipe
-        _check_trainer_options(args[1:])
+        args = checked_training_args(args)
         if argv is None:  # LightningCLI reads sys.argv itself; passing it again only warns
             sys.argv[1:] = args
         from plugintrain.lightning_cli import PluginTrainCLI
@@ -53,6 +50,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         exit_stopped_process(status)
     return status
+
+
+def checked_training_args(args: Sequence[str]) -> list[str]:
+    """What :func:`main` checks of a training command before Lightning is imported: the
+    command's name, the ``--config`` recipe (a packaged recipe's name becomes its file) and
+    every ``--trainer.<name>``; ``args`` with the recipe resolved.
+
+    Raises:
+        ConfigError: With the one-line message ``main`` prints.
+    """
+    from plugintrain.tools import TOOLS
+    from plugintrain.tools.recipes import resolve_config_args
+
+    _check_command(args[0], [*TRAINING_COMMANDS, *TOOLS])
+    resolved = resolve_config_args(args)  # --config NAME: a packaged recipe
+    _check_trainer_options(resolved[1:])
+    return resolved
 
 
 def _check_command(command: str, commands: Sequence[str]) -> None:

@@ -4,7 +4,8 @@ The state machine is the one of Micikevicius et al., "Mixed Precision Training" 
 multiply the loss by ``scale`` so small fp16 gradients do not flush to zero; if any
 gradient overflowed, skip the step and back off; after ``growth_interval`` clean steps,
 grow. Unlike ``torch.amp.GradScaler`` it does not track per-optimizer state: the caller
-unscales, agrees found-inf across ranks, and reports the outcome with :meth:`update`.
+unscales, agrees found-inf across ranks, and reports the outcome with
+:meth:`DynamicLossScaler.update`.
 """
 
 from __future__ import annotations

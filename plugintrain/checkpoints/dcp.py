@@ -9,7 +9,9 @@ under the new layout; DCP reads the overlapping parts of whatever chunks were sa
 
 Memory: a save writes files of at most one gradient bucket (:class:`BoundedFileWriter`:
 DCP's writer keeps what it wrote until the file closes); a load reads one saved chunk at
-a time (:class:`ChunkByChunkReader`). The gradient engine's optimizer state is laid out by
+a time (:class:`ChunkByChunkReader`); neither starts before the communication backend has
+let go of the buffers of DCP's planning collectives (:class:`CollectiveBuffers`). The
+gradient engine's optimizer state is laid out by
 :mod:`plugintrain.strategies.engine_checkpoint`; the parsing of DCP's flattened keys
 (``optimizer_0.state.<name>.exp_avg``) lives here and there only.
 """
@@ -21,7 +23,11 @@ import json
 import math
 import pickle
 import shutil
-from collections.abc import Sequence
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +67,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.optim import Optimizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from plugintrain.checkpoints.files import (
     LIGHTNING_METADATA,
@@ -139,8 +147,79 @@ class ShardBoxes:
         raise ValueError(f"No box at {index.offset} of {index.fqn}.")
 
 
+RELEASE_TIMEOUT_S = 10.0
+"""How long a save or load waits for the backend to let go of its coordination's buffers."""
+
+
+class CollectiveBuffers(TorchDispatchMode):
+    """The storages of the tensors handed to c10d collectives under it, until the
+    communication backend has let go of them (weak references).
+
+    DCP coordinates a save or load by object collectives: every rank's plan pickled into a
+    tensor, gathered to the coordinator, the final plans scattered back. Gloo runs a
+    collective on a worker thread and drops its tensors there only after the caller saw it
+    complete, once that thread is scheduled again (and holds the GIL), so on a busy machine
+    the scattered pickles outlived the scatter and met the first bucket being staged.
+    :meth:`wait_released` waits until they are freed. Only host-memory buffers are
+    watched: NCCL's live on the device, apart from the staging in host memory.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: dict[int, weakref.ref] = {}  # id of a live storage -> its weak reference
+        self._released = threading.Event()  # set (on the thread that frees it) once none is
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d":
+            for value in tree_flatten((args, kwargs))[0]:
+                if isinstance(value, Tensor):
+                    self._hold(value.untyped_storage())
+        return func(*args, **(kwargs or {}))
+
+    def _hold(self, storage: torch.UntypedStorage) -> None:
+        if storage.device.type != "cpu":  # NCCL's buffers live on the device, the staging
+            return  # in host memory: nothing to wait for
+        key = id(storage)
+        if key not in self._held:  # a live key is that storage: its callback frees the key
+            self._held[key] = weakref.ref(storage, self._forget(key))
+
+    def _forget(self, key: int) -> Callable[[weakref.ref], None]:
+        def forget(_: weakref.ref) -> None:
+            self._held.pop(key, None)
+            if not self._held:
+                self._released.set()
+
+        return forget
+
+    def wait_released(self, timeout: float = RELEASE_TIMEOUT_S) -> None:
+        """Return once every buffer handed to a collective so far is freed (at most
+        ``timeout`` seconds; then warn and go on)."""
+        deadline = time.monotonic() + timeout
+        while self._held:
+            self._released.clear()
+            if self._held and not self._released.wait(deadline - time.monotonic()):
+                warnings.warn(
+                    f"The communication backend still holds {len(self._held)} buffers of"
+                    f" DCP's coordination after {timeout:.0f} s; reading or writing the"
+                    " checkpoint's tensors beside them.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return
+
+
 class ShardSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, resolving :class:`ShardBoxes` chunks too."""
+    """DCP's default save planner, resolving :class:`ShardBoxes` chunks too, and staging
+    nothing before the coordination's buffers are freed (run DCP under
+    :attr:`collectives`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.collectives = CollectiveBuffers()
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.collectives.wait_released()  # the last collective before the writes
+        return super().finish_plan(new_plan)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
@@ -151,7 +230,16 @@ class ShardSavePlanner(DefaultSavePlanner):
 
 class ShardLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, resolving :class:`ShardBoxes` chunks and reading the
-    non-tensor entries (hyperparameters) without unpickling code."""
+    non-tensor entries (hyperparameters) without unpickling code; reading nothing before
+    the coordination's buffers are freed (run DCP under :attr:`collectives`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.collectives = CollectiveBuffers()
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        self.collectives.wait_released()  # the last collective before the reads
+        return super().finish_plan(central_plan)
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
@@ -313,13 +401,15 @@ def save_directory(
     partial = sibling(path, PARTIAL_SUFFIX)
     if write_metadata and partial.exists():
         shutil.rmtree(partial)  # left by a save killed before it completed
-    _barrier()
-    partial.mkdir(parents=True, exist_ok=True)
-    state = {"state_dict": checkpoint.pop("state_dict")}
-    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
-        state[f"optimizer_{i}"] = optimizer_state
-    writer = BoundedFileWriter(partial, file_bytes)
-    dcp.save(state, storage_writer=writer, planner=ShardSavePlanner())
+    planner = ShardSavePlanner()
+    with planner.collectives:  # the barrier's and the planning's buffers, until freed
+        _barrier()
+        partial.mkdir(parents=True, exist_ok=True)
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{i}"] = optimizer_state
+        writer = BoundedFileWriter(partial, file_bytes)
+        dcp.save(state, storage_writer=writer, planner=planner)
     if write_metadata:  # DCP returns on every rank once all shards and .metadata are written
         hparams = _plain_values(checkpoint.get("hyper_parameters", {}))
         write_file_atomically(partial / HPARAMS_FILENAME, lambda f: f.write(_json(hparams)))
@@ -452,8 +542,10 @@ def load_dcp(state: dict[str, Any], reader: Any, alone: bool = False) -> None:
 
     ``alone``: this process reads without its peers (no collective), e.g. the tensors of
     its own pipeline stage, which differ from the other stages' in name and number."""
+    planner = ShardLoadPlanner()
     try:
-        dcp.load(state, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=alone)
+        with planner.collectives:
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=alone)
     except CheckpointException as error:
         for failure in error.failures.values():  # rank -> (exception, traceback)
             cause = failure[0] if isinstance(failure, tuple) else failure

@@ -16,6 +16,8 @@ an input, or a tensor adopting a storage, as ``torch.load`` builds what it reads
 of storages the mode never saw allocated (weights created before it, buffers a
 communication backend allocates internally) are not counted unless registered with
 :meth:`track`.
+A storage stays counted until it is freed, also when the last owner is not Python: gloo
+drops a collective's tensors on its worker thread, after the caller saw it complete.
 Use it in tests and benchmarks::
 
     with LiveTensorMemory() as memory:

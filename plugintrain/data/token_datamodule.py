@@ -23,7 +23,7 @@ class TokenDataModule(ResumableBatches):
     :class:`~plugintrain.data.resumable.ResumableBatches`). Checkpoints record how far into
     the epoch training got, and a resumed ``fit`` continues with exactly the batches the
     uninterrupted run would have seen next. A
-    :class:`~plugintrain.data.TokenBytesSource`: with the ``token_bytes.npy`` that
+    :class:`~plugintrain.core.contracts.TokenBytesSource`: with the ``token_bytes.npy`` that
     ``plugintrain prepare`` writes, models log validation bits per byte.
 
     Args:

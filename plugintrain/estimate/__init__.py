@@ -10,7 +10,8 @@ biggest rank decides whether a layout fits (:meth:`Estimate.peak`);
 :func:`fitting_layouts` enumerates layouts over up to N devices under a memory limit.
 :mod:`~plugintrain.estimate.dry_run` checks a layout rank by rank on the real code path
 (torch's fake process group, meta tensors); :mod:`~plugintrain.estimate.recipe` reads a
-fit recipe's model and layout.
+fit recipe's model and layout; :mod:`~plugintrain.estimate.timing` predicts a layout's step
+time, tokens/s and MFU on a named cluster (the scaling calculator).
 """
 
 import importlib

@@ -196,7 +196,18 @@ def _chunk(
         backward = max(8 * logits, backward - tokens * head - 4 * logits)
     else:
         saved += tokens * w.res * w.d * w.seq  # the stage output, stashed for backward
+    if stage == 0 and not _frozen_embedding(params):
+        # The embedding's backward makes a dense gradient of the whole (vocabulary-shard)
+        # table before it lands in its bucket: on a pipeline's first rank, on top of the
+        # micro-batches still in flight (by then this one's own tensors are freed).
+        table = w.vocab * w.d * (2 if layout.precision == "bf16-true" else 4)
+        backward = max(backward, table - saved)
     return _Chunk(saved, forward, backward)
+
+
+def _frozen_embedding(params: tuple[Param, ...]) -> bool:
+    """Whether the token embedding is frozen (LoRA): its backward makes no gradient."""
+    return not any(p.trainable for p in params if p.name.startswith("model.tok_embeddings."))
 
 
 def _recompute_mode(layout: Layout, index: int) -> str:

@@ -7,3 +7,5 @@ STRATEGIES = ("single", "ddp_bucketed", "zero1", "zero2", "hybrid")
 ZeroStrategy names (data parallelism only); ``hybrid``: dp x tp x pp with ``zero_stage``."""
 ENGINE_STAGE = {"ddp_bucketed": 0, "zero1": 1, "zero2": 2}
 """The gradient engine's ZeRO stage of each data-parallel strategy name."""
+CLUSTER_NAMES = ("h100-ib", "h100-roce", "h200-ib", "a100-ib")
+"""The scaling calculator's cluster presets (:data:`plugintrain.estimate.timing.CLUSTERS`)."""

@@ -13,6 +13,7 @@ from plugintrain.estimate.layout import Layout
 from plugintrain.estimate.parameters import layout_params, stage_params
 from plugintrain.estimate.state import communication_bytes, training_state
 from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.strategies.pipeline_stages import PipelineOptions
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -102,10 +103,14 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def candidate_layouts(config: TransformerConfig, gpus: int, base: Layout) -> Iterator[Layout]:
+def candidate_layouts(
+    config: TransformerConfig, gpus: int, base: Layout, microbatches: int | None = None
+) -> Iterator[Layout]:
     """Every layout of up to ``gpus`` devices the model can train on, with ``base``'s
     batch, precision, recomputation and LoRA: dp x tp x pp over each device count, ZeRO 0-2
-    (and FSDP2 without a pipeline) when dp > 1, sequence parallelism whenever tp > 1."""
+    (and FSDP2 without a pipeline) when dp > 1, sequence parallelism whenever tp > 1; a
+    pipeline cuts each batch into ``microbatches`` (default: pp; where its schedule cannot
+    run that many, the layout is left out)."""
     for world in range(1, gpus + 1):
         for tp in _divisors(world):
             for pp in _divisors(world // tp):
@@ -118,6 +123,9 @@ def candidate_layouts(config: TransformerConfig, gpus: int, base: Layout) -> Ite
                             dp=dp, tp=tp, sp=tp > 1, pp=pp, vpp=1, zero_stage=zero
                         )
                         layout = dataclasses.replace(layout, strategy=strategy)
+                        if pp > 1 and microbatches is not None:
+                            pipeline = PipelineOptions.resolve(layout.dims, None, microbatches)
+                            layout = dataclasses.replace(layout, pipeline=pipeline)
                         layout.check(config)
                     except ValueError:
                         continue
@@ -125,12 +133,13 @@ def candidate_layouts(config: TransformerConfig, gpus: int, base: Layout) -> Ite
 
 
 def fitting_layouts(
-    config: TransformerConfig, gpus: int, memory: int, base: Layout
-) -> list[Estimate]:
+    config: TransformerConfig, gpus: int, memory: int, base: Layout,
+    microbatches: int | None = None,
+) -> list[Estimate]:  # fmt: skip
     """The layouts of up to ``gpus`` devices whose largest rank needs at most ``memory``
-    bytes, fewest devices first, then least memory per device."""
+    bytes (:func:`candidate_layouts`), fewest devices first, then least memory per device."""
     fits = []
-    for layout in candidate_layouts(config, gpus, base):
+    for layout in candidate_layouts(config, gpus, base, microbatches):
         result = estimate(config, layout)
         if result.peak.total <= memory:
             fits.append(result)

@@ -7,8 +7,11 @@ bytes each rank holds: parameters, gradients, optimizer state, activations (with
 micro-batches a pipeline rank holds at once) and buffers of the reductions, with the
 total; one column per pipeline stage. ``--json`` prints the same as one JSON object.
 ``--fit 80GiB --gpus 64`` lists the layouts of up to 64 devices whose largest rank fits,
-fewest devices first, then least memory. Nothing is allocated: the model is only built on
-the meta device (:mod:`plugintrain.estimate`).
+fastest first by the scaling calculator's prediction. Nothing is allocated: the model is
+only built on the meta device (:mod:`plugintrain.estimate`).
+
+``--time`` predicts the step time, tokens/s and MFU of the layout on ``--cluster`` (named
+presets of devices and links, each value overridable; :mod:`plugintrain.estimate.timing`).
 
 ``--dry_run`` builds chosen ranks (``--ranks sample|all|R,R``) on the real code path, one
 CPU process playing each rank through torch's fake process group, and prints what each
@@ -17,7 +20,7 @@ holds next to the estimate, then every problem found, one line each (exit 2): a 
 ``--ranks all`` a parameter not stepped exactly once per replica; ``--trace`` also runs
 one training step on meta tensors (FLOPs, activation peak, collectives per mesh
 dimension) and pairs the pipeline's sends and receives
-(:mod:`plugintrain.estimate.dry_run`).
+(:mod:`plugintrain.estimate.dry_run`); with ``--time`` the traced step is priced too.
 
 Exit status: 0 on success, 2 on bad input (a layout the model cannot train on).
 """
@@ -36,6 +39,7 @@ from plugintrain.tools._args import ToolParser
 
 if TYPE_CHECKING:
     from plugintrain.estimate import Estimate, Layout
+    from plugintrain.estimate.timing import Cluster, Prediction
     from plugintrain.model_zoo import TransformerConfig
 
 _ROWS = (
@@ -76,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--micro_batch", type=int, default=1, help="sequences per micro-batch and rank")
     add("--seq_len", type=int, default=None,
         help="tokens per sequence (default 2048, or a shorter block_size)")  # fmt: skip
-    add("--microbatches", type=int, default=None, help="micro-batches per step (default pp)")
+    add("--microbatches", type=int, default=None,
+        help="micro-batches per step (default pp; with --fit, of every pipeline)")  # fmt: skip
     add("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
         help="pipeline schedule (default 1f1b, interleaved with --vpp > 1)")  # fmt: skip
     add("--layers_per_stage", type=_counts, default=None, metavar="N,N,...",
@@ -103,9 +108,33 @@ def _parser() -> argparse.ArgumentParser:
         help="with --dry_run: also run one training step on meta tensors: FLOPs, activation"
              " peak, collectives per mesh dimension, pipeline sends paired")  # fmt: skip
     add("--memory", default=None, metavar="MEMORY",
-        help="with --dry_run: report every rank whose total exceeds MEMORY (80GiB,"
-             " 141GB)")  # fmt: skip
+        help="with --dry_run: report each rank over MEMORY (80GiB, 141GB)")  # fmt: skip
+    _calculator_options(parser)
     return parser
+
+
+def _calculator_options(parser: argparse.ArgumentParser) -> None:
+    from plugintrain.estimate.names import CLUSTER_NAMES
+
+    group = parser.add_argument_group(
+        "scaling calculator",
+        "Step time, tokens/s and MFU on a cluster (plugintrain.estimate.timing); --fit ranks"
+        " the layouts that fit by it. With --dry_run --trace, from the traced step.",
+    )
+    add = group.add_argument
+    add("--time", action="store_true", help="predict the step time, tokens/s and MFU")
+    add("--cluster", choices=CLUSTER_NAMES, default="h100-ib",
+        help="devices and links (default h100-ib: H100 SXM, NVLink 4, 400 Gb/s a GPU)")  # fmt: skip
+    add("--gpus_per_node", type=int, default=None, help="GPUs joined by NVLink (default 8)")
+    for name, what in (("intra", "NVLink"), ("inter", "the network")):
+        add(f"--{name}_bw", type=float, default=None, metavar="GB/s",
+            help=f"bus bandwidth per GPU over {what}, as nccl-tests reports it")  # fmt: skip
+        add(f"--{name}_latency", type=float, default=None, metavar="us",
+            help=f"microseconds per collective over {what}")  # fmt: skip
+    add("--matmul_efficiency", type=float, default=None, metavar="F",
+        help="fraction of the dense peak large matmuls reach (h100: 0.75, a100: 0.85)")  # fmt: skip
+    add("--attention_efficiency", type=float, default=None, metavar="F",
+        help="fraction of the dense peak attention reaches (h100: 0.40, a100: 0.60)")  # fmt: skip
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -240,17 +269,24 @@ def to_json(result: Estimate) -> dict[str, Any]:
     }
 
 
-def fit_table(results: list[Estimate], memory: int, gpus: int, top: int) -> str:
-    """The layouts that fit, one per line, fewest devices and least memory first."""
+def fit_table(
+    results: list[Estimate], memory: int, gpus: int, top: int,
+    predictions: list[Prediction] | None = None, cluster: str = "",
+) -> str:  # fmt: skip
+    """The layouts that fit, one per line, in the given order (with ``predictions``: the
+    predicted tokens/s and MFU on ``cluster`` too)."""
     if not results:
         return f"No layout of up to {gpus} devices fits in {size(memory)} per device."
     heads = ("gpus", "dp", "tp", "sp", "pp", "zero", *(k for k, _ in _ROWS), "total")
+    speed = ("tokens/s", "/gpu", "mfu") if predictions else ()
+    order = f", fastest first on {cluster}" if predictions else ""
     lines = [
         f"{len(results)} layouts of up to {gpus} devices fit in {size(memory)} per device"
-        f" (largest rank; showing {min(top, len(results))}):",
-        "  ".join(f"{h:>11}" if i > 5 else f"{h:>4}" for i, h in enumerate(heads)),
-    ]
-    for result in results[:top]:
+        f" (largest rank{order}; showing {min(top, len(results))}):",
+        "  ".join([*(f"{h:>11}" if i > 5 else f"{h:>4}" for i, h in enumerate(heads)),
+                   *(f"{h:>9}" for h in speed)]),
+    ]  # fmt: skip
+    for i, result in enumerate(results[:top]):
         layout, peak = result.layout, result.peak
         dims = layout.dims
         cells = [
@@ -262,65 +298,193 @@ def fit_table(results: list[Estimate], memory: int, gpus: int, top: int) -> str:
         ]
         cells.append("fsdp" if layout.stage == 3 else str(layout.stage or 0))
         parts = [size(getattr(peak, key)) for key, _ in _ROWS] + [size(peak.total)]
-        lines.append("  ".join([*(f"{c!s:>4}" for c in cells), *(f"{p:>11}" for p in parts)]))
+        row = [*(f"{c!s:>4}" for c in cells), *(f"{p:>11}" for p in parts)]
+        if predictions:
+            p = predictions[i]
+            speeds = (p.tokens_per_second, p.tokens_per_second_per_gpu)
+            row += [*(f"{_count(v):>9}" for v in speeds), f"{p.mfu:>9.1%}"]
+        lines.append("  ".join(row))
     return "\n".join(lines)
 
 
-def _fit_json(results: list[Estimate], memory: int, gpus: int) -> dict[str, Any]:
-    return {"memory": memory, "gpus": gpus, "layouts": [to_json(r) for r in results]}
+def _count(n: float) -> str:
+    """``1.46M``, ``178``, ``12.1k``."""
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.3g}"
+
+
+def _fit_json(
+    results: list[Estimate], memory: int, gpus: int, predictions: list[Prediction]
+) -> dict[str, Any]:
+    layouts = [{**to_json(r), "prediction": dataclasses.asdict(p)}
+               for r, p in zip(results, predictions, strict=True)]  # fmt: skip
+    return {"memory": memory, "gpus": gpus, "layouts": layouts}
+
+
+def cluster_of(args: argparse.Namespace) -> Cluster:
+    """The named ``--cluster`` with the options that override it.
+
+    Raises:
+        ValueError: On a value out of range, naming it.
+    """
+    from plugintrain.estimate.timing import CLUSTERS, Link
+
+    cluster = CLUSTERS[args.cluster]
+    ranges = {  # option: (lowest, highest, whether the lowest is allowed)
+        "gpus_per_node": (1, None, True), "intra_bw": (0, None, False),
+        "inter_bw": (0, None, False), "intra_latency": (0, None, True),
+        "inter_latency": (0, None, True), "matmul_efficiency": (0, 1, False),
+        "attention_efficiency": (0, 1, False),
+    }  # fmt: skip
+    for name, (low, high, closed) in ranges.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if value < low or (value == low and not closed) or (high is not None and value > high):
+            bound = f"in (0, {high}]" if high else f">= {low}" if closed else f"> {low}"
+            raise ValueError(f"--{name}={value} must be {bound}")
+    links = {}
+    for name in ("intra", "inter"):
+        link = getattr(cluster, name)
+        bw, latency = getattr(args, f"{name}_bw"), getattr(args, f"{name}_latency")
+        links[name] = Link(
+            link.bandwidth if bw is None else bw * 1e9,
+            link.latency if latency is None else latency * 1e-6,
+        )
+    changes = {k: getattr(args, k) for k in ("gpus_per_node", "matmul_efficiency",
+               "attention_efficiency") if getattr(args, k) is not None}  # fmt: skip
+    return dataclasses.replace(cluster, **links, **changes)
+
+
+def prediction_text(prediction: Prediction, cluster: Cluster, name: str, source: str) -> str:
+    """The prediction in a few lines: the cluster, the step, and where its time goes."""
+    from plugintrain.estimate.timing import MODELLED
+
+    p, c = prediction, cluster
+    parts = "  ".join(f"{k} {v:.3g} s" for k, v in p.breakdown.items())
+    return "\n".join([
+        f"predicted on {name} ({source}): {c.chip}, matmuls at {c.matmul_efficiency:.0%} and"
+        f" attention at {c.attention_efficiency:.0%} of the dense peak; {c.gpus_per_node} GPUs"
+        f" per node, NVLink {c.intra.bandwidth / 1e9:.4g} GB/s, network"
+        f" {c.inter.bandwidth / 1e9:.4g} GB/s per GPU",
+        f"  step {p.step_time:.4g} s for {_count(p.tokens_per_step)} tokens:"
+        f" {_count(p.tokens_per_second)} tokens/s, {_count(p.tokens_per_second_per_gpu)} per"
+        f" GPU, {p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {p.mfu:.1%}",
+        f"  {parts}",
+        f"  {MODELLED}",
+    ])  # fmt: skip
 
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``plugintrain estimate``; returns 0, or 2 on bad input."""
     args = _parser().parse_args(list(argv))
     from plugintrain.estimate import estimate, fitting_layouts, parse_bytes
+    from plugintrain.estimate.timing import formula_costs, predict
 
     try:
+        cluster = cluster_of(args)
         config, layout = _model_and_layout(args)
         if args.dry_run:
-            return _dry_run(args, config, layout)
+            return _dry_run(args, config, layout, cluster)
         if args.trace or args.memory or args.ranks != "sample":
             raise ValueError("--trace, --memory and --ranks go with --dry_run; add it")
         if args.fit is None:
             result = estimate(config, layout)
+            if args.time:
+                prediction = predict(formula_costs(config, layout, result), config, layout,
+                                     cluster)  # fmt: skip
         else:
             memory, gpus = parse_bytes(args.fit), args.gpus or 8
             if gpus < 1 or args.top < 1:
                 raise ValueError(f"--gpus={gpus} and --top={args.top} must be >= 1")
             layout.check(config)  # the options that stay fixed, checked once
-            fits = fitting_layouts(config, gpus, memory, layout)
+            fits = fitting_layouts(config, gpus, memory, layout, args.microbatches)
+            fits, predictions = _ranked(fits, cluster)
     except ValueError as error:
         print(f"plugintrain estimate: error: {error}", file=sys.stderr)
         return 2
     if args.fit is None:
-        print(json.dumps(to_json(result)) if args.json else table(result))
+        if args.json:
+            out = to_json(result)
+            if args.time:
+                out["prediction"] = dataclasses.asdict(prediction)
+            print(json.dumps(out))
+        else:
+            print(table(result))
+            if args.time:
+                print()
+                print(prediction_text(prediction, cluster, args.cluster, "from the shapes"))
     elif args.json:
-        print(json.dumps(_fit_json(fits, memory, gpus)))
+        print(json.dumps(_fit_json(fits, memory, gpus, predictions)))
     else:
-        print(fit_table(fits, memory, gpus, args.top))
+        print(fit_table(fits, memory, gpus, args.top, predictions, args.cluster))
     return 0
 
 
-def _dry_run(args: argparse.Namespace, config: TransformerConfig, layout: Layout) -> int:
+def _ranked(fits: list[Estimate], cluster: Cluster) -> tuple[list[Estimate], list[Prediction]]:
+    """The layouts that fit, fastest (predicted tokens/s) first; ties: fewer devices."""
+    from plugintrain.estimate.timing import formula_costs, predict
+
+    predicted = [
+        (predict(formula_costs(e.config, e.layout, e), e.config, e.layout, cluster), e)
+        for e in fits
+    ]
+    predicted.sort(key=lambda pe: (-pe[0].tokens_per_second, pe[1].layout.world_size))
+    return [e for _, e in predicted], [p for p, _ in predicted]
+
+
+MIXED_TRACE = (
+    "the traced step runs on meta tensors, where autocast does not run: its collectives"
+    " and activations are fp32's (an upper bound under mixed precision); the figures from"
+    " the shapes use autocast's dtypes"
+)
+
+
+def _dry_run(
+    args: argparse.Namespace, config: TransformerConfig, layout: Layout, cluster: Cluster
+) -> int:
     """``--dry_run``: the chosen ranks built (see :mod:`plugintrain.estimate.dry_run`), their
-    bytes next to the estimate's, then every problem found, one line each (exit 2)."""
+    bytes next to the estimate's, then every problem found, one line each (exit 2); with
+    ``--time`` the traced step priced on the cluster, next to the formula's price."""
     from plugintrain.estimate import parse_bytes
     from plugintrain.estimate.dry_run import dry_run, parse_ranks
+    from plugintrain.estimate.timing import formula_costs, predict, traced_costs
 
     if args.fit is not None:
         raise ValueError("--dry_run checks one layout; leave out --fit (or run --fit alone)")
     if args.trace and layout.strategy == "single":
         raise ValueError("--trace runs a distributed step; give a layout over several ranks")
+    if args.time and not args.trace:
+        raise ValueError("--time with --dry_run prices the traced step; add --trace")
     memory = None if args.memory is None else parse_bytes(args.memory)
     ranks = parse_ranks(args.ranks, layout)
     if layout.seq_len > config.block_size:
         layout.check(config)  # the one check no rank makes
     report = dry_run(config, layout, ranks, memory, args.trace)
+    predictions = {}
+    if args.time:
+        predictions = {
+            "from the traced step": predict(traced_costs(report, config, layout), config,
+                                            layout, cluster),
+            "from the shapes": predict(formula_costs(config, layout), config, layout, cluster),
+        }  # fmt: skip
     if args.json:
-        print(json.dumps(report.as_json()))
+        out = report.as_json()
+        if args.trace and layout.precision.endswith("-mixed"):
+            out["note"] = MIXED_TRACE
+        if predictions:
+            out["prediction"] = {k: dataclasses.asdict(v) for k, v in predictions.items()}
+        print(json.dumps(out))
     else:
         print(f"{config.name}: {describe(layout)}")
         print(report.table(size))
+        if args.trace and layout.precision.endswith("-mixed"):
+            print(f"\nnote: {MIXED_TRACE}")
+        for source, prediction in predictions.items():
+            print()
+            print(prediction_text(prediction, cluster, args.cluster, source))
     for line in report.problems:
         print(f"plugintrain estimate: {line}", file=sys.stderr)
     return 2 if report.problems else 0

@@ -137,7 +137,7 @@ class EvalData:
 
     Args:
         path: The folder or file.
-        kind: :data:`TEXT`, :data:`CHAT_FOLDER` or :data:`CHAT_FILE`.
+        kind: ``TEXT``, ``CHAT_FOLDER`` or ``CHAT_FILE``.
         split: A folder's split; None for a file.
         meta: A folder's ``meta.json`` (``{}`` for llm.c files and chat files).
         conversations: Conversations to answer (the first ``--limit``), each ending with

@@ -57,19 +57,20 @@ def test_json_matches_the_estimate(capsys: pytest.CaptureFixture) -> None:
     assert peak["total"] == expected.peak.total
 
 
-def test_fit_lists_layouts_fewest_devices_then_least_memory(capsys: pytest.CaptureFixture) -> None:
+def test_fit_lists_layouts_that_fit_fastest_first(capsys: pytest.CaptureFixture) -> None:
     code, out, _ = _run(capsys, "qwen3-debug", "--fit", "300MiB", "--gpus", "4", "--json")
     assert code == 0
     record = json.loads(out)
     layouts = record["layouts"]
     assert layouts, "some layout of up to 4 devices fits"
-    keys = [(r["layout"]["world_size"], r["peak"]["total"]) for r in layouts]
-    assert keys == sorted(keys)
-    assert all(total <= 300 * 2**20 for _, total in keys)
-    assert max(w for w, _ in keys) <= 4
+    speeds = [r["prediction"]["tokens_per_second"] for r in layouts]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(r["peak"]["total"] <= 300 * 2**20 for r in layouts)
+    assert max(r["layout"]["world_size"] for r in layouts) <= 4
     code, text, _ = _run(capsys, "qwen3-debug", "--fit", "300MiB", "--gpus", "4", "--top", "3")
     assert code == 0
     assert text.splitlines()[0].startswith(f"{len(layouts)} layouts of up to 4 devices fit")
+    assert "fastest first on h100-ib" in text.splitlines()[0]
     assert len(text.splitlines()) == 2 + 3
 
 

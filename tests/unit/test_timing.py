@@ -1,0 +1,188 @@
+"""The scaling calculator (``plugintrain estimate --time``, :mod:`plugintrain.estimate.timing`).
+
+Its inputs from the model's shapes are checked against the real code path's traced step
+(the dry run's FLOP counter and collective recorder); its arithmetic against formulas
+written out here from their sources: nccl-tests' bus bandwidth, the pipeline bubble of
+GPipe / 1F1B / interleaved 1F1B (Narayanan et al. 2021, section 2.2), and a one-GPU step
+bound by its matmuls. Its figures against published runs are in the README
+(``benchmarks/scaling_calculator.py``), not asserted here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from plugintrain.cli import main
+from plugintrain.core.peak_flops import DENSE_PEAK_FLOPS
+from plugintrain.estimate import Layout
+from plugintrain.estimate.dry_run import dry_run, sample_ranks
+from plugintrain.estimate.timing import (
+    CLUSTERS,
+    Collective,
+    Link,
+    collective_time,
+    formula_costs,
+    predict,
+    traced_costs,
+)
+from plugintrain.model_zoo import TransformerConfig
+
+# Blocks wide enough, and a vocabulary small enough, that the blocks' traffic dominates.
+CONFIG = TransformerConfig.from_name(
+    "llama3-debug", n_embd=256, n_head=4, n_kv_head=2, vocab_size=512, n_layer=4, block_size=256
+)
+TRACED = {
+    "dp2 x tp2 (sp) x pp2, zero1": dict(dp=2, tp=2, sp=True, pp=2, microbatches=4, zero_stage=1),
+    "dp2 x tp2, zero2": dict(dp=2, tp=2, zero_stage=2),
+    "dp2 x pp2 x vpp2": dict(dp=2, pp=2, vpp=2, microbatches=4),
+    "dp2 x tp2 (sp), full recomputation": dict(dp=2, tp=2, sp=True, zero_stage=1,
+                                               recompute="full"),
+    "dp2 x tp2 (sp), selective recomputation": dict(dp=2, tp=2, sp=True, zero_stage=1,
+                                                    recompute="selective"),
+    "dp2 x tp2, selective recomputation": dict(dp=2, tp=2, zero_stage=1, recompute="selective"),
+}  # fmt: skip
+
+
+def _layout(**degrees) -> Layout:
+    # fp32: a traced step runs on meta tensors, where autocast does not run (the dtypes
+    # under bf16-mixed are checked on real ranks, tests/distributed/test_traffic_distributed.py).
+    return Layout.of("hybrid", precision="32-true", micro_batch=2, seq_len=128, **degrees)
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict[str, tuple[Layout, list]]:
+    """Each layout's costs from a traced dry run of one rank per stage."""
+    out = {}
+    for name, degrees in TRACED.items():
+        layout = _layout(**degrees)
+        report = dry_run(CONFIG, layout, sample_ranks(layout), trace=True)
+        out[name] = (layout, traced_costs(report, CONFIG, layout))
+    return out
+
+
+@pytest.mark.parametrize("name", list(TRACED))
+def test_costs_from_the_shapes_equal_the_traced_step(traced: dict, name: str) -> None:
+    layout, from_trace = traced[name]
+    from_shapes = formula_costs(CONFIG, layout)
+    for t, f in zip(from_trace, from_shapes, strict=True):
+        assert f.matmul_flops == pytest.approx(t.matmul_flops, rel=1e-9)
+        assert f.attention_flops == pytest.approx(t.attention_flops, rel=1e-9)
+        assert (f.p2p_bytes, f.p2p_messages) == (t.p2p_bytes, t.p2p_messages)
+        assert f.state_bytes == t.state_bytes
+        total = sum(c.bytes for c in t.collectives)
+        shapes = {(c.op, c.dim): c for c in f.collectives}
+        for c in t.collectives:  # every collective of weight, by its bytes (the traced
+            if c.bytes < 0.05 * total:  # step also has the loss's few scalar reductions)
+                continue
+            assert shapes[(c.op, c.dim)].bytes == pytest.approx(c.bytes, rel=0.01), c
+    cluster = CLUSTERS["h100-ib"]
+    a = predict(from_trace, CONFIG, layout, cluster).step_time
+    b = predict(from_shapes, CONFIG, layout, cluster).step_time
+    assert b == pytest.approx(a, rel=0.05)
+
+
+def test_cluster_names_listed_without_torch_are_the_presets() -> None:
+    from plugintrain.estimate.names import CLUSTER_NAMES
+
+    assert tuple(CLUSTERS) == CLUSTER_NAMES
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_collective_time_is_nccl_tests_bus_bandwidth(op: str) -> None:
+    # nccl-tests (doc/PERFORMANCE.md): busbw = algbw x 2(n-1)/n for all-reduce and
+    # algbw x (n-1)/n for all-gather and reduce-scatter, algbw = size / time.
+    n, size, busbw = 8, 2**30, 100e9
+    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    seconds = collective_time(Collective(op, "dp", n, 1, size), Link(busbw, 0.0))
+    assert seconds == pytest.approx(size * factor / busbw)
+    one_call_latency = collective_time(Collective(op, "dp", n, 3, 0), Link(busbw, 5e-6))
+    assert one_call_latency == pytest.approx(3 * 5e-6)
+
+
+def test_one_gpu_step_is_its_matmuls_at_the_sustained_rate() -> None:
+    config, layout = CONFIG, Layout.of("single", precision="bf16-mixed", micro_batch=4,
+                                       seq_len=256)  # fmt: skip
+    cluster = CLUSTERS["h100-ib"]
+    tokens = 4 * 256
+    d, f, v, h, kv, hd = 256, config.ffn_dim, 512, 4, 2, 64
+    per_block = d * h * hd + 2 * d * kv * hd + h * hd * d + 3 * d * f  # q, k, v, o, SwiGLU
+    matmuls = 6 * tokens * (4 * per_block + v * d)  # 4 blocks and the head, 3 passes
+    attention = 4 * 3 * (2 * tokens * 256 * h * 2 * hd) / 2  # causal: half of the scores
+    peak = DENSE_PEAK_FLOPS["h100 sxm"]["bf16"]  # the layout is bf16-mixed
+    compute = matmuls / (peak * 0.75) + attention / (peak * 0.40)
+    prediction = predict(formula_costs(config, layout), config, layout, cluster)
+    assert prediction.breakdown["compute"] == pytest.approx(compute, rel=1e-9)
+    assert prediction.step_time == pytest.approx(compute + prediction.breakdown["optimizer"])
+    assert prediction.tokens_per_second == pytest.approx(tokens / prediction.step_time)
+
+
+@pytest.mark.parametrize(("schedule", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_pipeline_bubble_is_the_textbook_one(schedule: str, vpp: int) -> None:
+    # Equal stages (no head: a one-word vocabulary; no traffic: free links), p stages and
+    # m micro-batches: the step is (m + (p - 1) / v) micro-batch times (Narayanan et al.).
+    config = dataclasses.replace(CONFIG, n_layer=8, vocab_size=1, tie_embeddings=False)
+    p, m = 4, 8
+    layout = _layout(pp=p, vpp=vpp, microbatches=m, schedule=schedule)
+    free = Link(1e30, 0.0)
+    cluster = dataclasses.replace(CLUSTERS["h100-ib"], intra=free, inter=free,
+                                  hbm_bandwidth=1e30)  # fmt: skip
+    prediction = predict(formula_costs(config, layout), config, layout, cluster)
+    compute = prediction.breakdown["compute"]
+    # (The last stage's one-word head makes it 0.1% heavier than the others.)
+    assert prediction.breakdown["bubble"] / compute == pytest.approx((p - 1) / (vpp * m), rel=5e-3)
+
+
+def test_gradient_reduction_hides_under_the_backward_until_it_outlasts_it() -> None:
+    layout = _layout(dp=16, zero_stage=0)  # two nodes: the reduction crosses the network
+    costs = formula_costs(CONFIG, layout)
+    fast_net = dataclasses.replace(CLUSTERS["h100-ib"], inter=Link(1e15, 0.0))
+    fast = predict(costs, CONFIG, layout, fast_net)
+    assert fast.breakdown["dp exposed"] == 0
+    slow_net = dataclasses.replace(CLUSTERS["h100-ib"], inter=Link(1e6, 0.0))
+    slow = predict(costs, CONFIG, layout, slow_net)
+    (reduce,) = [c for c in costs[0].collectives if c.dim == "dp"]
+    backward = slow.breakdown["compute"] * 2 / 3
+    seconds = collective_time(reduce, Link(1e6, 0.0), nodes=2)
+    assert slow.breakdown["dp exposed"] == pytest.approx(seconds - backward)
+
+
+def test_estimate_time_prints_the_prediction(capsys: pytest.CaptureFixture) -> None:
+    argv = ["estimate", "llama3.1-8b", "--dp", "8", "--zero_stage", "1", "--seq_len", "8192",
+            "--time", "--cluster", "a100-ib"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "predicted on a100-ib (from the shapes): a100" in out
+    assert "MFU" in out and "modelled:" in out
+    assert main([*argv, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert 0 < record["prediction"]["mfu"] < 1
+
+
+def test_dry_run_prices_the_traced_step_next_to_the_shapes(capsys: pytest.CaptureFixture) -> None:
+    argv = ["estimate", "llama3-debug", "--dp", "2", "--tp", "2", "--seq_len", "32",
+            "--dry_run", "--trace", "--time"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "(from the traced step)" in out and "(from the shapes)" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--time", "--matmul_efficiency", "1.5"], ["--matmul_efficiency=1.5", "(0, 1]"]),
+        (["--time", "--inter_bw", "0"], ["--inter_bw=0.0", "> 0"]),
+        (["--time", "--gpus_per_node", "0"], ["--gpus_per_node=0", ">= 1"]),
+        (["--dry_run", "--time"], ["--time with --dry_run", "add --trace"]),
+    ],
+)
+def test_bad_calculator_options_are_one_line(
+    capsys: pytest.CaptureFixture, argv: list[str], names: list[str]
+) -> None:
+    assert main(["estimate", "llama3-debug", "--dp", "2", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plugintrain estimate: error:")
+    for name in names:
+        assert name in err[0]
