@@ -10,6 +10,7 @@ recomputed block.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -245,17 +246,27 @@ def activation_bytes(config: TransformerConfig, layout: Layout, pp_rank: int) ->
     return math.ceil(peak)
 
 
+@functools.lru_cache(maxsize=4)
+def _schedule_actions(
+    name: str, pp: int, vpp: int, microbatches: int
+) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """Each rank's ``(kind, chunk)`` in its schedule, built once for all of a layout's ranks
+    (a 64-stage, 512-micro-batch schedule is 64k actions)."""
+    schedule = build_schedule(name, pp, vpp, microbatches)
+    return tuple(tuple((a.kind, a.chunk) for a in rank) for rank in schedule.actions)
+
+
 def _schedule_peak(chunks: list[_Chunk], layout: Layout, pp_rank: int) -> float:
     """The most this rank holds at any action of its schedule."""
     if layout.dims.pp == 1:
         only = chunks[0]
         return only.saved + max(only.forward_extra, only.backward_extra)
     dims, options = layout.dims, layout.pipeline
-    schedule = build_schedule(options.schedule, dims.pp, dims.vpp, options.microbatches)
+    actions = _schedule_actions(options.schedule, dims.pp, dims.vpp, options.microbatches)
     held = peak = 0.0
-    for action in schedule.actions[pp_rank]:
-        chunk = chunks[action.chunk]
-        if action.kind == "F":
+    for kind, index in actions[pp_rank]:
+        chunk = chunks[index]
+        if kind == "F":
             held += chunk.saved
             peak = max(peak, held + chunk.forward_extra)
         else:
