@@ -39,7 +39,7 @@ from plugintrain.estimate.timing import (
 )
 from plugintrain.model_zoo import TransformerConfig
 from plugintrain.model_zoo.config import _ffn_params
-from plugintrain.strategies.pipeline_stages import stage_layer_keys
+from plugintrain.strategies.pipeline_stages import rank_stages, stage_layer_keys
 
 LLAMA3 = "The Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
 MEGATRON = (
@@ -97,7 +97,8 @@ def _rerun_more(
     keys = stage_layer_keys(config.n_layer, stages, layout.pipeline.layers_per_stage)
     out = []
     for cost in costs:
-        blocks = [int(k) for s in range(cost.pp_rank, stages, dims.pp) for k in keys[s]]
+        mine = rank_stages(cost.pp_rank, dims.pp, dims.vpp)
+        blocks = [int(k) for s in mine for k in keys[s]]
         flops = sum(2 * tokens * weights(b) / dims.tp * m for b in blocks)
         extra = ()
         if dims.tp > 1 and tp_all_reduces:

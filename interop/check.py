@@ -163,8 +163,8 @@ def _logits(model, ids: list[int]) -> np.ndarray:
 
 
 def _greedy_ours(adapter: str) -> tuple[list[int], list[int], list[int]]:
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
-    from plugintrain.data.tokenizers import get_tokenizer
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.registry import get_tokenizer
     from plugintrain.model_zoo.generation import generate_tokens
 
     model = _ours("", adapter)
@@ -203,7 +203,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    from plugintrain.data.tokenizers import get_tokenizer
+    from plugintrain.data.tokenizers.registry import get_tokenizer
 
     cases = _cases(work, args.lora_steps)
     jobs, meta = [], []

@@ -78,6 +78,12 @@ def stage_layer_keys(
     ]
 
 
+def rank_stages(rank: int, pp: int, vpp: int = 1) -> list[int]:
+    """The virtual stages pipeline rank ``rank`` runs, in chunk order: its chunk ``c`` is
+    stage ``c * pp + rank`` (the interleaved schedule's round-robin placement)."""
+    return [c * pp + rank for c in range(vpp)]
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """How a pipeline runs, beside its degrees (``pipeline_parallel`` and
@@ -210,7 +216,7 @@ def split_model(
     check_layers(n_layer, pp, vpp, layers_per_stage)
     num_stages = pp * vpp
     keys = stage_layer_keys(n_layer, num_stages, layers_per_stage)
-    stages = [c * pp + rank for c in range(vpp)]
+    stages = rank_stages(rank, pp, vpp)
     owned = {key for s in stages for key in keys[s]}
     model.keep_stage(owned, first=0 in stages, last=num_stages - 1 in stages)
     return [

@@ -37,7 +37,7 @@ PRELOAD = (
     "torch.distributed.tensor.parallel", "torch.distributed.checkpoint", "lightning",
     "lightning.pytorch", "transformers", "plugintrain.lightning_cli",
     "plugintrain.strategies.hybrid", "plugintrain.strategies.zero", "plugintrain.model_zoo.lm",
-    "plugintrain.data.token_datamodule", "plugintrain.formats", "plugintrain.callbacks",
+    "plugintrain.data.datamodules.token_datamodule", "plugintrain.formats", "plugintrain.callbacks",
 )  # fmt: skip
 """What the server imports once so that no child imports it again (the package faces are
 lazy, so the modules behind them are named: the Lightning CLI, the strategies, which

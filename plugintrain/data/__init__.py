@@ -9,31 +9,31 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from plugintrain.data.assets import ASSETS, Asset, AssetError, cache_root, fetch_asset
-    from plugintrain.data.chat_datamodule import ChatDataModule
-    from plugintrain.data.chat_formats import (
+    from plugintrain.data.datamodules.chat_datamodule import ChatDataModule
+    from plugintrain.data.prepare.chat_formats import (
         ChatDataError,
         detect_format,
         read_chat_rows,
         to_messages,
     )
-    from plugintrain.data.chat_prepare import ChatPrepareOptions, prepare_chat
-    from plugintrain.data.chat_templates import (
+    from plugintrain.data.prepare.chat_prepare import ChatPrepareOptions, prepare_chat
+    from plugintrain.data.tokenizers.chat_templates import (
         PLAIN_TEMPLATE,
         ChatEncoder,
         ChatTemplate,
         ChatTemplateError,
         load_chat_template,
     )
-    from plugintrain.data.hf_tokenizer import HFTokenizer
+    from plugintrain.data.tokenizers.hf_tokenizer import HFTokenizer
     from plugintrain.data.idx import read_idx, write_idx
-    from plugintrain.data.mnist import MNISTDataModule
-    from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
-    from plugintrain.data.resumable import ResumableBatches, ResumableSampler
+    from plugintrain.data.datamodules.mnist import MNISTDataModule
+    from plugintrain.data.prepare.offline import prepare_mnist, prepare_shakespeare
+    from plugintrain.data.datamodules.resumable import ResumableBatches, ResumableSampler
     from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
-    from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
-    from plugintrain.data.token_datamodule import TokenDataModule
-    from plugintrain.data.token_shards import TokenWindows
-    from plugintrain.data.tokenizers import (
+    from plugintrain.data.tokenizers.token_bytes import read_token_bytes, write_token_bytes
+    from plugintrain.data.datamodules.token_datamodule import TokenDataModule
+    from plugintrain.data.datamodules.token_shards import TokenWindows
+    from plugintrain.data.tokenizers.registry import (
         TOKENIZER_NAMES,
         Tokenizer,
         family_tokenizer,
@@ -44,26 +44,26 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "assets": ("ASSETS", "Asset", "AssetError", "cache_root", "fetch_asset"),
-    "chat_datamodule": ("ChatDataModule",),
-    "chat_formats": ("ChatDataError", "detect_format", "read_chat_rows", "to_messages"),
-    "chat_prepare": ("ChatPrepareOptions", "prepare_chat"),
-    "chat_templates": (
+    "datamodules.chat_datamodule": ("ChatDataModule",),
+    "prepare.chat_formats": ("ChatDataError", "detect_format", "read_chat_rows", "to_messages"),
+    "prepare.chat_prepare": ("ChatPrepareOptions", "prepare_chat"),
+    "tokenizers.chat_templates": (
         "PLAIN_TEMPLATE",
         "ChatEncoder",
         "ChatTemplate",
         "ChatTemplateError",
         "load_chat_template",
     ),
-    "hf_tokenizer": ("HFTokenizer",),
+    "tokenizers.hf_tokenizer": ("HFTokenizer",),
     "idx": ("read_idx", "write_idx"),
-    "mnist": ("MNISTDataModule",),
-    "prepare": ("prepare_mnist", "prepare_shakespeare"),
+    "datamodules.mnist": ("MNISTDataModule",),
+    "prepare.offline": ("prepare_mnist", "prepare_shakespeare"),
     "token_bin": ("TokenFileError", "read_token_bin", "write_token_bin"),
-    "token_bytes": ("read_token_bytes", "write_token_bytes"),
-    "resumable": ("ResumableBatches", "ResumableSampler"),
-    "token_datamodule": ("TokenDataModule",),
-    "token_shards": ("TokenWindows",),
-    "tokenizers": (
+    "tokenizers.token_bytes": ("read_token_bytes", "write_token_bytes"),
+    "datamodules.resumable": ("ResumableBatches", "ResumableSampler"),
+    "datamodules.token_datamodule": ("TokenDataModule",),
+    "datamodules.token_shards": ("TokenWindows",),
+    "tokenizers.registry": (
         "TOKENIZER_NAMES",
         "Tokenizer",
         "family_tokenizer",

@@ -18,7 +18,7 @@ from plugintrain.estimate.layout import Layout
 from plugintrain.estimate.parameters import Param, layout_params, stage_of
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.strategies.pipeline_schedules import build_schedule
-from plugintrain.strategies.pipeline_stages import stage_layer_keys
+from plugintrain.strategies.pipeline_stages import rank_stages, stage_layer_keys
 
 
 @dataclass(frozen=True)
@@ -235,10 +235,10 @@ def activation_bytes(config: TransformerConfig, layout: Layout, pp_rank: int) ->
     stages = layout.dims.pp * layout.dims.vpp
     keys = stage_layer_keys(config.n_layer, stages, layout.pipeline.layers_per_stage)
     params = layout_params(config, layout)
-    chunks = []
-    for c in range(layout.dims.vpp):
-        stage = c * layout.dims.pp + pp_rank
-        chunks.append(_chunk(config, layout, stage, [int(k) for k in keys[stage]], params))
+    chunks = [
+        _chunk(config, layout, stage, [int(k) for k in keys[stage]], params)
+        for stage in rank_stages(pp_rank, layout.dims.pp, layout.dims.vpp)
+    ]
     peak = _schedule_peak(chunks, layout, pp_rank)
     if layout.dims.pp > 1:
         w = _Widths.of(config, layout)

@@ -23,7 +23,7 @@ from plugintrain.model_zoo.families import tp_plan
 from plugintrain.model_zoo.lora import LoRASpec, inject
 from plugintrain.model_zoo.transformer import Transformer
 from plugintrain.strategies.expert_parallel import expert_layers
-from plugintrain.strategies.pipeline_stages import stage_layer_keys
+from plugintrain.strategies.pipeline_stages import rank_stages, stage_layer_keys
 from plugintrain.strategies.tensor_parallel import expand_plan
 
 
@@ -138,7 +138,7 @@ def stage_params(
 
     stages = layout.dims.pp * layout.dims.vpp
     keys = stage_layer_keys(config.n_layer, stages, layout.pipeline.layers_per_stage)
-    mine = [c * layout.dims.pp + pp_rank for c in range(layout.dims.vpp)]
+    mine = rank_stages(pp_rank, layout.dims.pp, layout.dims.vpp)
     layers = {int(k) for s in mine for k in keys[s]}
     places = (
         layers | ({"first"} if 0 in mine else set()) | ({"last"} if stages - 1 in mine else set())

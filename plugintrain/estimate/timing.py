@@ -201,7 +201,7 @@ def formula_costs(
     (the collectives that the strategies' plans issue, counted per block; checked against
     traced steps in the tests). ``memory``: the layout's estimate, if already made."""
     from plugintrain.estimate.search import estimate
-    from plugintrain.strategies.pipeline_stages import stage_layer_keys
+    from plugintrain.strategies.pipeline_stages import rank_stages, stage_layer_keys
 
     dims = layout.dims
     stages = dims.pp * dims.vpp
@@ -213,7 +213,7 @@ def formula_costs(
             largest[r.pp_rank] = r
     costs = []
     for pp_rank in range(dims.pp):
-        mine = [c * dims.pp + pp_rank for c in range(dims.vpp)]
+        mine = rank_stages(pp_rank, dims.pp, dims.vpp)
         chunks = [_chunk(config, layout, s, [int(k) for k in keys[s]], stages) for s in mine]
         work = [c.matmul + c.attention for c in chunks]
         m = largest[pp_rank]

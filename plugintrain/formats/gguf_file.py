@@ -26,8 +26,8 @@ from torch import Tensor
 
 from plugintrain.checkpoints.files import first_line
 from plugintrain.data.assets import resolve_model_path
-from plugintrain.data.gguf_metadata import GGUFTensorInfo, is_gguf, read_gguf_header
-from plugintrain.data.tokenizers import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
+from plugintrain.data.tokenizers.gguf_metadata import GGUFTensorInfo, is_gguf, read_gguf_header
+from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
 from plugintrain.formats.base import WeightFormatError
 from plugintrain.formats.tokenizer_files import hf_gguf_vocabulary, tiktoken_gguf_vocabulary
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig

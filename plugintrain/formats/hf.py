@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from plugintrain.checkpoints.files import consecutive_groups, load_torch_file
-from plugintrain.data.tokenizers import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
+from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
 from plugintrain.formats.base import WeightFormatError
 from plugintrain.formats.safetensors_io import DTYPES, write_safetensors
 from plugintrain.formats.tokenizer_files import write_hf_tokenizer

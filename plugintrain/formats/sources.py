@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from plugintrain.data.assets import PRETRAINED_MODELS, resolve_model_path
-from plugintrain.data.gguf_metadata import is_gguf
+from plugintrain.data.tokenizers.gguf_metadata import is_gguf
 from plugintrain.formats import checkpoint, gguf_file, hf, llmc
 from plugintrain.formats.base import TensorReader, WeightFormatError, Weights, model_shapes
 from plugintrain.formats.lora_checkpoints import MergedAdapterReader, check_named_base

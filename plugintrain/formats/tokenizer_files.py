@@ -18,10 +18,10 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from plugintrain.data.chat_templates import ChatTemplateError, load_chat_template
-from plugintrain.data.hf_tokenizer import byte_alphabet
-from plugintrain.data.split_patterns import GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN
-from plugintrain.data.tokenizers import TOKENIZER_NAMES, Tokenizer
+from plugintrain.data.tokenizers.chat_templates import ChatTemplateError, load_chat_template
+from plugintrain.data.tokenizers.hf_tokenizer import byte_alphabet
+from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, Tokenizer
+from plugintrain.data.tokenizers.split_patterns import GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN
 
 GGUF_PRE = {"gpt2": "gpt-2", "llama3": "llama-bpe"}
 """Our tiktoken tokenizer -> the ``tokenizer.ggml.pre`` llama.cpp's converter writes for

@@ -213,7 +213,7 @@ def read_conversations(path: Path) -> list[list[dict[str, str]]]:
     Raises:
         ValueError: Naming the file and row, and what to write there.
     """
-    from plugintrain.data.chat_formats import detect_format, read_chat_rows, to_messages
+    from plugintrain.data.prepare.chat_formats import detect_format, read_chat_rows, to_messages
 
     if not holds_conversations(path):
         raise ValueError(

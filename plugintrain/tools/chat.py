@@ -33,7 +33,7 @@ from plugintrain.tools._models import (
 
 if TYPE_CHECKING:
     from plugintrain.data import HFTokenizer, Tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder
     from plugintrain.model_zoo.generation import PretrainedLM
 
 COMMANDS = {"/reset": "start the conversation over", "/exit": "end the chat"}
@@ -246,7 +246,7 @@ def _start(args: Namespace, parser: ToolParser) -> tuple[Chat, Conversation]:
     """The chat with the model on its device and an empty conversation; a bad option ends
     the command with one line."""
     from plugintrain.data import get_tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
 
     try:  # a bad --device is refused before the checkpoint is read
         device = pick_device(args.device)

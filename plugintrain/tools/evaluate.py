@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from plugintrain.data.chat_templates import ChatEncoder
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder
     from plugintrain.model_zoo.generation import PretrainedLM
 
 TEXT, CHAT_FOLDER, CHAT_FILE = "text folder", "chat folder", "chat file"
@@ -159,7 +159,7 @@ def open_data(path: Path, split: str | None, limit: int | None = None) -> EvalDa
     Raises:
         ValueError: Naming the path and the command that prepares what it should hold.
     """
-    from plugintrain.data.token_shards import read_meta
+    from plugintrain.data.datamodules.token_shards import read_meta
 
     if path.is_file():
         if not holds_conversations(path):
@@ -184,7 +184,7 @@ def open_data(path: Path, split: str | None, limit: int | None = None) -> EvalDa
 
 def _text_splits(path: Path, meta: dict[str, Any]) -> list[str]:
     """The splits of a text folder: those its ``meta.json`` lists, else its llm.c files."""
-    from plugintrain.data.token_shards import is_text_shards
+    from plugintrain.data.datamodules.token_shards import is_text_shards
 
     if is_text_shards(meta):
         return list(meta["splits"])
@@ -243,7 +243,7 @@ def _with_references(
 
 def _check_tokenizer(data: EvalData, module: PretrainedLM) -> None:
     """Refuse a folder of another tokenizer's ids, or of a larger vocabulary."""
-    from plugintrain.data.tokenizers import tokenizer_spec
+    from plugintrain.data.tokenizers.registry import tokenizer_spec
 
     recorded, reads = data.meta.get("tokenizer"), model_tokenizer(module)
     if recorded is not None and tokenizer_spec(recorded) != tokenizer_spec(reads):
@@ -294,8 +294,8 @@ def text_totals(
     """The totals over a text split's windows (the first ``--limit``), and their number."""
     import torch
 
-    from plugintrain.data.prepared_folders import PreparedFolders
-    from plugintrain.data.token_bytes import read_token_bytes
+    from plugintrain.data.datamodules.prepared_folders import PreparedFolders
+    from plugintrain.data.tokenizers.token_bytes import read_token_bytes
 
     name = f"{data.split}.bin"  # a folder of llm.c files; prepare text's meta.json lists shards
     windows = PreparedFolders([data.path], name, name, None).windows(
@@ -454,7 +454,7 @@ def _chat_encoder(
     (``plain``, a file), else the model's own. A template other than the folder's (by
     sha256) is noted on stderr: the answers are then prompted unlike the training data."""
     from plugintrain.data import get_tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
 
     recorded = data.meta.get("template") or {}
     origin = recorded.get("origin")

@@ -28,7 +28,7 @@ from plugintrain.tools._models import pick_device as _device
 
 if TYPE_CHECKING:
     from plugintrain.data import HFTokenizer, Tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder
     from plugintrain.model_zoo.generation import PretrainedLM
 
 
@@ -254,7 +254,7 @@ def _chat_encoder(
     tokenizer: Tokenizer | HFTokenizer, spec: str, template: str | None
 ) -> ChatEncoder:
     """The encoder of conversations in ``template`` (None: the tokenizer's own)."""
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
 
     return ChatEncoder(tokenizer, load_chat_template(spec, template))
 

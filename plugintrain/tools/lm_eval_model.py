@@ -33,7 +33,7 @@ from lm_eval.models.utils import (
     postprocess_generated_text,
 )
 
-from plugintrain.data.tokenizers import get_tokenizer
+from plugintrain.data.tokenizers.registry import get_tokenizer
 from plugintrain.tools._models import load_model, model_tokenizer, pick_device
 
 

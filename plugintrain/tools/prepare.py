@@ -247,7 +247,7 @@ def main(argv: Sequence[str]) -> int:
     """Run ``plugintrain prepare``; prints a JSON summary of what was written."""
     parser = _parser()
     args = parser.parse_args(list(argv))
-    from plugintrain.data.prepare import prepare_mnist, prepare_shakespeare
+    from plugintrain.data.prepare.offline import prepare_mnist, prepare_shakespeare
 
     if args.dataset in ("text", "merge"):
         _refuse_chat_folder(parser, Path(args.out))
@@ -270,7 +270,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _dates_main(parser: ToolParser, args) -> int:
-    from plugintrain.data.date_chat import write_date_conversations
+    from plugintrain.data.prepare.date_chat import write_date_conversations
 
     if not 1 <= args.count <= 73_000:  # distinct days in 200 years
         parser.error(f"--count {args.count}: give between 1 and 73000 conversations")
@@ -286,8 +286,8 @@ def _dates_main(parser: ToolParser, args) -> int:
 
 def _text_main(parser: ToolParser, args, argv: Sequence[str]) -> int:
     """``prepare text`` and ``prepare merge``: every problem is one line, exit 2."""
-    from plugintrain.data.corpus import PrepareOptions, merge, prepare_text
-    from plugintrain.data.text_sources import CorpusError, ReadOptions
+    from plugintrain.data.prepare.corpus import PrepareOptions, merge, prepare_text
+    from plugintrain.data.prepare.text_sources import CorpusError, ReadOptions
 
     try:
         if args.dataset == "merge":
@@ -349,7 +349,7 @@ def _text_main(parser: ToolParser, args, argv: Sequence[str]) -> int:
 def _refuse_chat_folder(parser: ToolParser, out: Path) -> None:
     """A folder of ``prepare chat`` is never written over with text (even with
     --overwrite: its files are no shards ``prepare text`` would clear)."""
-    from plugintrain.data.chat_prepare import KIND
+    from plugintrain.data.prepare.chat_prepare import KIND
 
     try:
         meta = json.loads((out / "meta.json").read_text())
@@ -364,8 +364,8 @@ def _refuse_chat_folder(parser: ToolParser, out: Path) -> None:
 
 def _chat_main(parser: ToolParser, args) -> int:
     """``prepare chat``: every problem is one line, exit 2, and nothing written."""
-    from plugintrain.data.chat_prepare import ChatPrepareOptions, prepare_chat
-    from plugintrain.data.text_sources import ReadOptions
+    from plugintrain.data.prepare.chat_prepare import ChatPrepareOptions, prepare_chat
+    from plugintrain.data.prepare.text_sources import ReadOptions
 
     options = ChatPrepareOptions(
         tokenizer=args.tokenizer,

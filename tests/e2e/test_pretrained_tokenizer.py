@@ -19,7 +19,7 @@ from plugintrain.data import (
     read_token_bin,
 )
 from plugintrain.data.assets import resolve_model_path
-from plugintrain.data.gguf_metadata import read_gguf_metadata
+from plugintrain.data.tokenizers.gguf_metadata import read_gguf_metadata
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_prepare_text_is_transformers_encoding_with_the_boundaries(reference, wo
     """``prepare text`` with SmolLM2's tokenizer (a GGUF vocabulary, run by `tokenizers` in
     two tokenizer processes): each document is transformers' encoding (fed the text between
     digits, as above) and then the EOS asked for; SmolLM2 adds no BOS."""
-    from plugintrain.data.corpus import PrepareOptions, prepare_text
+    from plugintrain.data.prepare.corpus import PrepareOptions, prepare_text
 
     docs = [_paragraph(works["hamlet"], "To be, or not to be"), works["sonnets"][:20_000]]
     (tmp_path / "in").mkdir()

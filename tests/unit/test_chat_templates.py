@@ -16,14 +16,14 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from plugintrain.data import fetch_asset, get_tokenizer
 from plugintrain.data.assets import resolve_model_path
-from plugintrain.data.chat_templates import (
+from plugintrain.data.tokenizers.chat_templates import (
     PLAIN_TEMPLATE,
     ChatEncoder,
     ChatTemplate,
     ChatTemplateError,
     load_chat_template,
 )
-from plugintrain.data.split_patterns import LLAMA3_PATTERN
+from plugintrain.data.tokenizers.split_patterns import LLAMA3_PATTERN
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse.\nAnswer in one line."},

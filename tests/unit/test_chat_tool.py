@@ -36,7 +36,7 @@ def _model(block_size: int = 256) -> PretrainedLM:
 
 def _encoder():
     from plugintrain.data import get_tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
 
     return ChatEncoder(get_tokenizer(TOKENIZER), load_chat_template(TOKENIZER))
 

@@ -14,8 +14,8 @@ import pytest
 from test_data_position import _fake_trainer  # the trainer a datamodule sees
 
 from plugintrain.data import TokenDataModule
-from plugintrain.data.corpus import PrepareOptions, prepare_text
-from plugintrain.data.mixture import IndexPermutation, Interleave
+from plugintrain.data.datamodules.mixture import IndexPermutation, Interleave
+from plugintrain.data.prepare.corpus import PrepareOptions, prepare_text
 
 T = 4
 
@@ -96,7 +96,7 @@ def test_a_changed_shard_is_refused_at_start_and_a_verified_one_is_not_read_agai
     folder = _prepared(tmp_path, ["one two three four five six seven"] * 20)
     TokenDataModule(data_dir=str(folder), seq_len=T)
     assert (tmp_path / "cache" / "verified-shards.json").is_file()
-    import plugintrain.data.token_shards as token_shards
+    import plugintrain.data.datamodules.token_shards as token_shards
 
     def no_hashing(path):
         raise AssertionError(f"{path} hashed again")

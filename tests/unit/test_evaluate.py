@@ -27,7 +27,7 @@ KEYS = {
 
 def _encoder():
     from plugintrain.data import get_tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
 
     return ChatEncoder(get_tokenizer(TOKENIZER), load_chat_template(TOKENIZER))
 
@@ -85,7 +85,7 @@ def _llmc_folder(folder: Path, tokens: np.ndarray, token_bytes: np.ndarray) -> P
 def _shards_folder(folder: Path, tokens: np.ndarray, token_bytes: np.ndarray) -> Path:
     """The layout of `plugintrain prepare text`: meta.json lists each split's shards."""
     from plugintrain.data import write_token_bin, write_token_bytes
-    from plugintrain.data.token_shards import TEXT_SHARDS_FORMAT
+    from plugintrain.data.datamodules.token_shards import TEXT_SHARDS_FORMAT
 
     folder.mkdir()
     half = len(tokens) // 2
@@ -307,7 +307,7 @@ def test_a_folder_of_prepare_chat_is_read_as_it_was_written(monkeypatch, tmp_pat
     prompted in the template it was prepared with."""
     from plugintrain.cli import main
     from plugintrain.data import get_tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
     from plugintrain.model_zoo import generation
 
     rows = _conversations([f"Answer {n}." for n in range(8)])

@@ -438,7 +438,7 @@ def test_generate_chat_answers_each_conversation_in_batches_as_one_at_a_time(
         assert out["messages"][-1]["role"] == "assistant" and out["messages"][-1]["content"]
     # The answer is the greedy continuation of the prompt rendered in the chat template.
     from plugintrain.data import get_tokenizer
-    from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+    from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
 
     tokenizer = get_tokenizer("smollm2-135m")
     encoder = ChatEncoder(tokenizer, load_chat_template("smollm2-135m"))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from plugintrain.data.chat_datamodule import IGNORE_INDEX, PackedChat, pack_rows
+from plugintrain.data.datamodules.chat_datamodule import IGNORE_INDEX, PackedChat, pack_rows
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig
 from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX as LOSS_IGNORE_INDEX
 from plugintrain.model_zoo.cross_entropy import chunked_cross_entropy, token_cross_entropy

@@ -26,9 +26,9 @@ from plugintrain.data import (
     read_token_bin,
     write_idx,
 )
-from plugintrain.data import prepare as prepare_module
 from plugintrain.data.idx import IDX_FILES
-from plugintrain.data.prepare import FASHION_MNIST_DIR, FASHION_MNIST_SHA256
+from plugintrain.data.prepare import offline as prepare_module
+from plugintrain.data.prepare.offline import FASHION_MNIST_DIR, FASHION_MNIST_SHA256
 
 
 @pytest.fixture(scope="module")

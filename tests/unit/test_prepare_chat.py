@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from plugintrain.data import fetch_asset, get_tokenizer
-from plugintrain.data.chat_formats import (
+from plugintrain.data.prepare.chat_formats import (
     ChatDataError,
     detect_format,
     read_chat_rows,
     to_messages,
 )
-from plugintrain.data.chat_templates import ChatEncoder, load_chat_template
+from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
 from plugintrain.tools.prepare import main as prepare_main
 
 SYSTEM = {"role": "system", "content": "Be brief."}

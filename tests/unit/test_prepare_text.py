@@ -15,7 +15,7 @@ import pytest
 import tiktoken
 
 from plugintrain.data import get_tokenizer, read_token_bin
-from plugintrain.data.corpus import PrepareOptions, prepare_text
+from plugintrain.data.prepare.corpus import PrepareOptions, prepare_text
 from plugintrain.tools.prepare import main as prepare_main
 
 DOCS = [
@@ -101,7 +101,7 @@ def test_a_separator_splits_text_files_into_documents(tmp_path):
 
 
 def _read(**kwargs):
-    from plugintrain.data.text_sources import ReadOptions
+    from plugintrain.data.prepare.text_sources import ReadOptions
 
     return ReadOptions(**kwargs)
 

@@ -20,8 +20,8 @@ import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
 from plugintrain.cli import main
-from plugintrain.data.gguf_metadata import read_gguf_metadata
-from plugintrain.data.tokenizers import get_tokenizer
+from plugintrain.data.tokenizers.gguf_metadata import read_gguf_metadata
+from plugintrain.data.tokenizers.registry import get_tokenizer
 from plugintrain.formats.tokenizer_files import hf_gguf_vocabulary, write_hf_tokenizer
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 

@@ -22,7 +22,7 @@ from plugintrain.data import (
     tokenizer_short_name,
     tokenizer_spec,
 )
-from plugintrain.data.gguf_metadata import read_gguf_metadata
+from plugintrain.data.tokenizers.gguf_metadata import read_gguf_metadata
 
 TEXT = "To be, or not to be: that is the question.\n\n  Ünïcödé — 日本語 and 12345 tabs\t!"
 

@@ -39,8 +39,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from plugintrain.data.assets import resolve_model_path
-from plugintrain.data.gguf_metadata import is_gguf, read_gguf_metadata
-from plugintrain.data.tokenizers import TOKENIZER_NAMES, get_tokenizer
+from plugintrain.data.tokenizers.gguf_metadata import is_gguf, read_gguf_metadata
+from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, get_tokenizer
 
 TRAIN_ON = ("assistant", "completion", "all")
 """Which tokens `ChatEncoder.encode` trains on: every assistant turn, the final one only,

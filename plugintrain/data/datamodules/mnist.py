@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
-from plugintrain.data._pinning import pin_memory_for
+from plugintrain.data.datamodules._pinning import pin_memory_for
 from plugintrain.data.idx import IDX_FILES, find_idx, load_split
 
 # Mean and std of the MNIST training pixels scaled to [0, 1] (the torchvision constants).

@@ -21,8 +21,8 @@ from plugintrain.core.atomic_files import atomic_open
 from plugintrain.data.assets import ASSETS, AssetError, fetch_asset
 from plugintrain.data.idx import IDX_FILES, find_idx, load_split, write_idx
 from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
-from plugintrain.data.token_bytes import read_token_bytes, write_token_bytes
-from plugintrain.data.tokenizers import (
+from plugintrain.data.tokenizers.token_bytes import read_token_bytes, write_token_bytes
+from plugintrain.data.tokenizers.registry import (
     HFTokenizer,
     Tokenizer,
     get_tokenizer,

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from plugintrain.data.resumable import ResumableBatches
-from plugintrain.data.token_shards import read_meta
-from plugintrain.data.tokenizers import tokenizer_spec
+from plugintrain.data.datamodules.resumable import ResumableBatches
+from plugintrain.data.datamodules.token_shards import read_meta
+from plugintrain.data.tokenizers.registry import tokenizer_spec
 
 IGNORE_INDEX = -100
 """A target that is not scored (the model zoo's ``cross_entropy.IGNORE_INDEX``; the data

@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from plugintrain.data.mixture import MixtureWindows
-from plugintrain.data.prepared_folders import PreparedFolders, mixture_entries
-from plugintrain.data.resumable import ResumableBatches, ResumableSampler
-from plugintrain.data.token_bytes import read_token_bytes
-from plugintrain.data.token_shards import TokenWindows
+from plugintrain.data.datamodules.mixture import MixtureWindows
+from plugintrain.data.datamodules.prepared_folders import PreparedFolders, mixture_entries
+from plugintrain.data.datamodules.resumable import ResumableBatches, ResumableSampler
+from plugintrain.data.tokenizers.token_bytes import read_token_bytes
+from plugintrain.data.datamodules.token_shards import TokenWindows
 
 __all__ = ["ResumableSampler", "TokenDataModule"]
 
@@ -20,7 +20,7 @@ class TokenDataModule(ResumableBatches):
     """Next-token batches ``(x, y)`` of shape (B, T) from ``train.bin`` / ``val.bin``.
 
     Batches are split by data-parallel rank only (see
-    :class:`~plugintrain.data.resumable.ResumableBatches`). Checkpoints record how far into
+    :class:`~plugintrain.data.datamodules.resumable.ResumableBatches`). Checkpoints record how far into
     the epoch training got, and a resumed ``fit`` continues with exactly the batches the
     uninterrupted run would have seen next. A
     :class:`~plugintrain.core.contracts.TokenBytesSource`: with the ``token_bytes.npy`` that
@@ -43,7 +43,7 @@ class TokenDataModule(ResumableBatches):
         val_file: Validation token file name inside ``data_dir`` (likewise).
         mix: Several prepared folders blended by weight instead of ``data_dir``:
             ``[{path: DIR, weight: 0.7}, ...]`` (weights > 0, normalized; see
-            `plugintrain.data.mixture`). Validation reads every folder's held-out split.
+            `plugintrain.data.datamodules.mixture`). Validation reads every folder's held-out split.
         respect_documents: Training windows never cross a document boundary (documents
             end with the EOS that ``prepare text`` records): each document is cut into
             whole windows from its start and a tail shorter than one window is not trained

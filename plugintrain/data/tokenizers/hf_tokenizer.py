@@ -20,8 +20,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from plugintrain.data.gguf_metadata import is_gguf, read_gguf_metadata
-from plugintrain.data.split_patterns import GGUF_PRE_SPLITS
+from plugintrain.data.tokenizers.gguf_metadata import is_gguf, read_gguf_metadata
+from plugintrain.data.tokenizers.split_patterns import GGUF_PRE_SPLITS
 
 # llama.cpp's token types (gguf.TokenType) that matter here (6, BYTE, is a <0xNN> token).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4

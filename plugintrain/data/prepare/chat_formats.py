@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from plugintrain.data.text_sources import (
+from plugintrain.data.prepare.text_sources import (
     CorpusError,
     ReadOptions,
     Source,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from plugintrain.data.assets import cache_root
-from plugintrain.data.token_shards import (
+from plugintrain.data.datamodules.token_shards import (
     TokenWindows,
     document_starts,
     is_text_shards,
@@ -19,7 +19,7 @@ from plugintrain.data.token_shards import (
     split_paths,
     verify_shards,
 )
-from plugintrain.data.tokenizers import tokenizer_short_name, tokenizer_spec
+from plugintrain.data.tokenizers.registry import tokenizer_short_name, tokenizer_spec
 
 
 class PreparedFolders:

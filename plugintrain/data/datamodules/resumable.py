@@ -13,7 +13,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from plugintrain.data._pinning import pin_memory_for
+from plugintrain.data.datamodules._pinning import pin_memory_for
 
 # Lightning warns on every mid-epoch resume unless the DataLoader itself is stateful; these
 # datamodules restore the position through their sampler instead, so the warning is wrong.

@@ -46,7 +46,7 @@ import numpy as np
 
 from plugintrain.core.atomic_files import PARTIAL_SUFFIX, atomic_open
 from plugintrain.data.assets import sha256_file
-from plugintrain.data.text_sources import (
+from plugintrain.data.prepare.text_sources import (
     CorpusError,
     ReadOptions,
     Source,
@@ -54,8 +54,8 @@ from plugintrain.data.text_sources import (
     expand_inputs,
 )
 from plugintrain.data.token_bin import HEADER_BYTES, HEADER_DTYPE, HEADER_INTS, MAGIC
-from plugintrain.data.token_bytes import write_token_bytes
-from plugintrain.data.tokenizers import get_tokenizer, tokenizer_spec
+from plugintrain.data.tokenizers.token_bytes import write_token_bytes
+from plugintrain.data.tokenizers.registry import get_tokenizer, tokenizer_spec
 
 FORMAT = "plugintrain.text-shards/1"
 SPLITS = ("train", "val")

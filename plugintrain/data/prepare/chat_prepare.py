@@ -32,22 +32,22 @@ from typing import IO, Any
 import numpy as np
 
 from plugintrain.core.atomic_files import PARTIAL_SUFFIX, fsync_tree, publish, remove, sibling
-from plugintrain.data.chat_formats import (
+from plugintrain.data.prepare.chat_formats import (
     FORMATS,
     ChatDataError,
     detect_format,
     read_chat_rows,
     to_messages,
 )
-from plugintrain.data.chat_templates import (
+from plugintrain.data.tokenizers.chat_templates import (
     TRAIN_ON,
     ChatEncoder,
     ChatTemplateError,
     load_chat_template,
 )
-from plugintrain.data.corpus import FORMAT as TEXT_FORMAT
-from plugintrain.data.text_sources import ReadOptions
-from plugintrain.data.tokenizers import get_tokenizer, tokenizer_spec
+from plugintrain.data.prepare.corpus import FORMAT as TEXT_FORMAT
+from plugintrain.data.prepare.text_sources import ReadOptions
+from plugintrain.data.tokenizers.registry import get_tokenizer, tokenizer_spec
 
 KIND = "chat"
 """``meta.json``'s ``kind`` in a folder of ``prepare chat``."""

@@ -13,8 +13,8 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 from plugintrain.data.assets import ASSETS, PRETRAINED_MODELS, fetch_asset, resolve_model_path
-from plugintrain.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
-from plugintrain.data.split_patterns import GPT2_PATTERN, LLAMA3_PATTERN
+from plugintrain.data.tokenizers.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+from plugintrain.data.tokenizers.split_patterns import GPT2_PATTERN, LLAMA3_PATTERN
 
 # The named specials at the start of Llama 3's 256 special ids, in the order of the
 # llama-models 0.3.0 wheel (the Llama 3.1+ layout); the rest are reserved tokens.
