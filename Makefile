@@ -1,6 +1,7 @@
-# The README's two commands: `make train` (set up, prepare real data, train on CPU) and
-# `make test` (set up, lint, run the test suite). Everything lives in .venv; `make docs`
-# builds the documentation site (docs/, mkdocs.yml) and `make docs-serve` serves it.
+# The README's two commands: `make train` (install the runtime, prepare real data, train on
+# CPU) and `make test` (add the test and docs extras, lint, run the test suite). Everything
+# lives in .venv; `make docs` builds the documentation site (docs/, mkdocs.yml) and
+# `make docs-serve` serves it.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -15,14 +16,23 @@ PROMPT ?= ROMEO:
 # Recipes log (and checkpoint) under runs/<recipe file name>.
 CHECKPOINTS = runs/$(basename $(notdir $(RECIPE)))/checkpoints
 
-.PHONY: setup train test lint format docs docs-serve bench gpu-check interop-check clean
+.PHONY: setup setup-dev train test lint format docs docs-serve bench gpu-check interop-check clean
 
+# `setup`: what plugintrain runs on (the runtime dependencies), all `make train` needs.
+# `setup-dev`: adds the test and docs extras (transformers, peft, lm_eval, mkdocs, ...),
+# which `make test`, `make lint` and `make docs` need.
 setup: $(VENV)/.setup-done
 
 $(VENV)/.setup-done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+setup-dev: $(VENV)/.setup-dev-done
+
+$(VENV)/.setup-dev-done: $(VENV)/.setup-done
 	$(BIN)/python -m pip install --quiet -e ".[test,docs]"
 	touch $@
 
@@ -31,7 +41,7 @@ train: setup
 	$(BIN)/plugintrain fit --config $(RECIPE)
 	$(BIN)/plugintrain generate --weights $(CHECKPOINTS) --prompt "$(PROMPT)" --max_new_tokens 60
 
-lint: setup
+lint: setup-dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
@@ -50,7 +60,7 @@ test: lint
 # pages are generated from the parsers and docstrings at every build (docs/hooks/).
 # `make test` builds it too (tests/e2e/test_docs_site.py, tests/unit/test_docs_commands.py).
 DOCS_ENV := NO_MKDOCS_2_WARNING=1
-docs: setup
+docs: setup-dev
 	$(BIN)/python docs/hooks/commands.py
 	$(BIN)/python docs/hooks/figures.py
 	$(DOCS_ENV) $(BIN)/mkdocs build --strict
@@ -58,10 +68,10 @@ docs: setup
 # The site at http://127.0.0.1:8000, rebuilt when a page changes (DOCS_ADDR=0.0.0.0:8000
 # to reach it from another machine).
 DOCS_ADDR ?= 127.0.0.1:8000
-docs-serve: setup
+docs-serve: setup-dev
 	$(DOCS_ENV) $(BIN)/mkdocs serve --strict --dev-addr $(DOCS_ADDR)
 
-format: setup
+format: setup-dev
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 

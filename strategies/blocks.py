@@ -237,8 +237,12 @@ class BlockOptions:
             return
         asked = []
         if self.activation_checkpointing != "none":
-            asked.append((f"activation_checkpointing={self.activation_checkpointing!r}",
-                          "activation_checkpointing: none"))  # fmt: skip
+            asked.append(
+                (
+                    f"activation_checkpointing={self.activation_checkpointing!r}",
+                    "activation_checkpointing: none",
+                )
+            )
         if self.compile:
             asked.append(("compile=True", "compile: false"))
         given = " and ".join(option for option, _ in asked)

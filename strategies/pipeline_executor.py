@@ -372,9 +372,14 @@ class PipelineExecutor:
         self.peers = dist.get_process_group_ranks(group) if group is not None else list(range(pp))
         self._wire = _Wire(self.peers, group, wire_dtype, record_range)
         self._runner = _StageRunner(
-            stages, self._wire, loss_fn, forward_context, backward_context, record_range,
+            stages,
+            self._wire,
+            loss_fn,
+            forward_context,
+            backward_context,
+            record_range,
             activation_dtype,
-        )  # fmt: skip
+        )
         self.hidden_size = hidden_size
         self.seq_divisor = seq_divisor
         self.chunk_done = chunk_done

@@ -610,8 +610,10 @@ def p2p_plan(schedule: Schedule) -> list[list[Batch]]:
     """
     s = schedule
     plans = [_just_in_time(s, rank) for rank in range(s.pp)]
-    held = [list(accumulate((1 if a.kind == "F" else -1 for a in actions), initial=0))
-            for actions in s.actions]  # fmt: skip
+    held = [
+        list(accumulate((1 if a.kind == "F" else -1 for a in actions), initial=0))
+        for actions in s.actions
+    ]
     run = _Rendezvous(plans)
     stuck = run.advance()
     while stuck:

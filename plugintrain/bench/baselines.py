@@ -294,8 +294,11 @@ BASELINES: dict[str, Callable[[Sequence[str]], None]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in BASELINES:
-        print(f"usage: python -m plugintrain.bench.baselines {{{','.join(BASELINES)}}} "
-              "[plugintrain fit options]", file=sys.stderr)  # fmt: skip
+        print(
+            f"usage: python -m plugintrain.bench.baselines {{{','.join(BASELINES)}}} "
+            "[plugintrain fit options]",
+            file=sys.stderr,
+        )
         return 2
     BASELINES[args[0]](args[1:])
     return 0

@@ -151,9 +151,13 @@ class BenchRecorder(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         last = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
         device = trainer.strategy.root_device
         step = trainer.global_step - int(last)  # a step's last micro-batch has counted it

@@ -139,9 +139,13 @@ class PhaseProfiler(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         # An FP16 step skipped on overflow never reaches the optimizer's post-step hook.
         for name in (OPTIMIZER, BACKWARD, FORWARD, TRAIN_STEP):
             self._close(name)

@@ -67,9 +67,13 @@ class StepStatsMonitor(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if self._tracks_memory(trainer) and trainer._logger_connector.should_update_logs:
             peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
             pl_module.log(PEAK_MEMORY, float(peak), on_step=True)

@@ -254,3 +254,105 @@ def test_plugins_and_models_never_import_the_roof(package: str) -> None:
 )
 def test_engine_faces_do_not_import_each_other(module: str, forbidden: str) -> None:
     assert forbidden not in _imports(module, _trees()[module])
+
+
+# plugintrain.data's three rooms: what each may import of the other two.
+DATA_ROOMS: dict[str, set[str]] = {
+    "plugintrain.data.tokenizers": set(),
+    "plugintrain.data.prepare": {"plugintrain.data.tokenizers"},
+    "plugintrain.data.datamodules": {"plugintrain.data.tokenizers"},
+}
+
+
+def _room(module: str) -> str | None:
+    return next((room for room in DATA_ROOMS if module.startswith(f"{room}.")), None)
+
+
+def _room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from one room of ``plugintrain.data`` into a room it may not import."""
+    return [
+        f"{module} -> {target}"
+        for module, imported in sorted(graph.items())
+        if (room := _room(module)) is not None
+        for target in sorted(imported)
+        if (other := _room(target)) not in (None, room) and other not in DATA_ROOMS[room]
+    ]
+
+
+def test_the_data_rooms_stay_apart() -> None:
+    assert _room_violations(_graph(_trees())) == []
+
+
+def test_a_planted_import_between_data_rooms_is_found() -> None:
+    planted = _plant(
+        _trees(),
+        "plugintrain.data.prepare.corpus",
+        "def f():\n    from plugintrain.data.datamodules.resumable import ResumableSampler\n",
+    )
+    assert _room_violations(_graph(planted)) == [
+        "plugintrain.data.prepare.corpus -> plugintrain.data.datamodules.resumable"
+    ]
+
+
+def _is_literal(node: ast.AST, in_call: bool = False) -> bool:
+    """Whether ``node`` is data: constants, containers of data, and calls (a preset's
+    constructor) whose arguments are constants; a name only outside a call (``(str,)``)."""
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.Name | ast.Attribute):
+        return not in_call
+    if isinstance(node, ast.UnaryOp):
+        return _is_literal(node.operand, in_call)
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return all(_is_literal(e, in_call) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        items = [*node.keys, *node.values]
+        return all(k is not None and _is_literal(k, in_call) for k in items)
+    if isinstance(node, ast.Call):
+        args = [*node.args, *(k.value for k in node.keywords)]
+        return all(_is_literal(a, in_call=True) for a in args)
+    return False
+
+
+def _formatting_skips(name: str, source: str) -> list[str]:
+    """Each ``# fmt: skip`` of ``source`` that does not close a data table: an assignment of
+    literal data, or a preset registered from literals (the formatter would spread a table
+    over many lines)."""
+    tree = ast.parse(source)
+    statements = [n for n in ast.walk(tree) if isinstance(n, ast.stmt)]
+    bad = []
+    for number, line in enumerate(source.splitlines(), start=1):
+        if not line.rstrip().endswith("# fmt: skip"):
+            continue
+        ends_here = [s for s in statements if s.end_lineno == number]
+        data = [
+            s
+            for s in ends_here
+            if isinstance(s, ast.Assign | ast.AnnAssign | ast.Expr)
+            and s.value
+            and _is_literal(s.value)
+        ]
+        if not data:
+            bad.append(f"{name}:{number}")
+    return bad
+
+
+def test_no_formatting_is_skipped_outside_data_tables() -> None:
+    bad = [
+        hit for name, path in MODULES.items() for hit in _formatting_skips(name, path.read_text())
+    ]
+    assert bad == [], "reformat these (ruff format) instead of skipping the formatter"
+
+
+def test_a_planted_formatting_skip_is_found() -> None:
+    source = (
+        'TABLE = {"a": (str,), "b": (int, float)}  # fmt: skip\n'
+        'PRESET = Config(name="x", n_layer=2)  # fmt: skip\n'
+        "def f(x):\n"
+        "    return g(x,\n"
+        "             x)  # fmt: skip\n"
+        "y = h(TABLE, PRESET)  # fmt: skip\n"
+        'register(Config(name="y", moe=MoE(top_k=2)))  # fmt: skip\n'
+        "register(x)  # fmt: skip\n"
+    )
+    assert _formatting_skips("m", source) == ["m:5", "m:6", "m:8"]
