@@ -38,7 +38,6 @@ from plugintrain.estimate.timing import (
     predict,
 )
 from plugintrain.model_zoo import TransformerConfig
-from plugintrain.model_zoo.config import _ffn_params
 from plugintrain.strategies.pipeline_stages import rank_stages, stage_layer_keys
 
 LLAMA3 = "The Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
@@ -83,9 +82,12 @@ class Run:
 
 
 def _rerun_more(
-    costs: list[StageCost], config: TransformerConfig, layout: Layout,
-    weights: Callable[[int], float], tp_all_reduces: int = 0,
-) -> list[StageCost]:  # fmt: skip
+    costs: list[StageCost],
+    config: TransformerConfig,
+    layout: Layout,
+    weights: Callable[[int], float],
+    tp_all_reduces: int = 0,
+) -> list[StageCost]:
     """``costs`` plus, per block and micro-batch, a rerun of ``weights(block)`` parameters'
     matmuls and ``tp_all_reduces`` more tensor-parallel all-reduces of its output (without
     sequence parallelism, where a row-parallel output is all-reduced)."""
@@ -105,9 +107,10 @@ def _rerun_more(
             count = tp_all_reduces * len(blocks) * m
             size = count * tokens * config.n_embd * _act_bytes(layout)  # a matmul's output
             extra = (Collective("all_reduce", "tp", dims.tp, count, size),)
-        out.append(dataclasses.replace(
-            cost, matmul_flops=cost.matmul_flops + flops,
-            collectives=cost.collectives + extra))  # fmt: skip
+        matmul = cost.matmul_flops + flops
+        out.append(
+            dataclasses.replace(cost, matmul_flops=matmul, collectives=cost.collectives + extra)
+        )
     return out
 
 
@@ -120,10 +123,9 @@ def megatron_whole_layer(
     plugintrain's checkpoint, stopping once backward has what it needs, skips; and its
     attention, not fused, computed the whole square of scores (the causal mask applied
     after), twice the causal work."""
-    per = 3 if config.mlp == "swiglu" else 2  # the FFN's matrices, the down projection one
 
-    def down(block: int) -> float:
-        return _ffn_params(config, block, active=True) / per
+    def down(block: int) -> float:  # its weights: 2 FLOPs per multiply-add
+        return config.block_flops(block, layout.seq_len).down / 2
 
     rerun = _rerun_more(costs, config, layout, down, tp_all_reduces=1)
     return [dataclasses.replace(c, attention_flops=2 * c.attention_flops) for c in rerun]
@@ -250,9 +252,18 @@ def main() -> None:
         value, prediction = predicted_metric(run)
         ratio = value / run.published
         free = predicted_metric(run, free_links=True)[0] / run.published
-        rows.append({"run": run.name, "published": run.published, "predicted": value,
-                     "ratio": ratio, "free_links_ratio": free, "step_time": prediction.step_time,
-                     "breakdown": prediction.breakdown, "source": run.source})  # fmt: skip
+        rows.append(
+            {
+                "run": run.name,
+                "published": run.published,
+                "predicted": value,
+                "ratio": ratio,
+                "free_links_ratio": free,
+                "step_time": prediction.step_time,
+                "breakdown": prediction.breakdown,
+                "source": run.source,
+            }
+        )
         print(
             f"| {run.name} | {run.cluster} | {_shown(run.metric, run.published)} |"
             f" {_shown(run.metric, value)} | {ratio:.3f} | {_where(prediction)} | {free:.3f} |"

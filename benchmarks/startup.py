@@ -31,6 +31,7 @@ COMMANDS = {
     "estimate --help": ["estimate", "--help"],
     "generate --help": ["generate", "--help"],
     "recipes": ["recipes"],
+    "generate --max_new 5 (a typo)": ["generate", "--max_new", "5"],
     "fit --trainer.max_step 5 (a typo)": ["fit", "--config", RECIPE, "--trainer.max_step", "5"],
     "fit --help": ["fit", "--help"],
     "fit --trainer.strategy nonsense (parsed, then refused)": [

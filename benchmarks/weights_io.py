@@ -219,7 +219,7 @@ def _child(operation: str, model: str, source: Path, out: Path, trace: bool) -> 
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     from plugintrain.core.memory import LiveTensorMemory
-    from plugintrain.formats import gguf_file, hf, llmc  # noqa: F401
+    from plugintrain.formats import gguf, hf, llmc  # noqa: F401
 
     run = OPERATIONS[operation]
     if trace:

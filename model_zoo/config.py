@@ -210,6 +210,30 @@ class MoEConfig:
         return index >= self.first_k_dense
 
 
+@dataclass(frozen=True)
+class BlockFlops:
+    """Forward FLOPs per token of one transformer block, by part: 2 per multiply-add
+    (backward takes twice the forward, so a training step three times it)."""
+
+    matmul: int
+    """The matmuls with the block's weights: 2 x those weights (of a mixture of experts,
+    the ones a token runs through, and the router)."""
+    down: int
+    """Of :attr:`matmul`, the FFN's last matmul (its down projection): recomputation that
+    stops once backward has what it saved (``torch.utils.checkpoint``) does not rerun it."""
+    norms: int
+    """The block's two norms: 2 x their weights (the 6N rule counts every parameter)."""
+    attention: int
+    """Scores and weighted values over the whole sequence, ``2 x n_head x (their width) x
+    seq_len``; a causal kernel computes half."""
+
+    @property
+    def training(self) -> int:
+        """Forward and backward of the whole block, causal masking ignored (PaLM's count:
+        :meth:`TransformerConfig.flops_per_token` per block)."""
+        return 3 * (self.matmul + self.norms + self.attention)
+
+
 @dataclass
 class TransformerConfig:
     """Architecture of a decoder-only transformer (GPT-2, Llama 3, Qwen3, ...).
@@ -220,8 +244,10 @@ class TransformerConfig:
     name: str
     """Preset name, e.g. ``gpt2-124m`` or ``llama3.2-1b``."""
     family: str
-    """Model family (``gpt2``, ``llama3`` or ``qwen3``): picks the weight adapter and parallel
-    plans."""
+    """Model family: a name in :data:`plugintrain.model_zoo.families.FAMILIES` (``gpt2``,
+    ``llama3``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``), whose spec holds the family's
+    Hugging Face and GGUF weight adapters and tensor-parallel plan; the model itself is
+    built from the other fields."""
     vocab_size: int
     """Number of token ids the embedding and output layers cover."""
     block_size: int
@@ -453,17 +479,26 @@ class TransformerConfig:
         weighted values, whose width is the query width ``n_head * head_dim`` (``n_embd``
         unless ``head_size`` sets it apart, as in Qwen3), also under GQA; with MLA it is
         ``6 * n_layer * n_head * (qk_head_dim + v_head_dim) * seq_len``. Like those
-        references it ignores causal masking, norms, softmax and routing.
+        references it ignores causal masking, norms, softmax and routing. Summed block by
+        block (:meth:`block_flops`), then the final norm and the output projection.
 
         Args:
             seq_len: Tokens per training sequence.
         """
+        blocks = sum(self.block_flops(i, seq_len).training for i in range(self.n_layer))
+        return blocks + 6 * (self._norm_params() + self.vocab_size * self.n_embd)
+
+    def block_flops(self, index: int, seq_len: int) -> BlockFlops:
+        """Forward FLOPs per token of block ``index`` over sequences of ``seq_len`` tokens."""
+        norms = 2 * self._norm_params()
+        ffn = _ffn_params(self, index, active=True)
+        down = ffn // (3 if self.mlp == "swiglu" or self.moe is not None else 2)
         if self.mla is None:
             width = 2 * self.head_dim  # scores (q . k) and weighted values, hs wide each
         else:
             width = self.mla.qk_head_dim + self.mla.v_head_dim
-        attention = 6 * self.n_layer * self.n_head * width * seq_len
-        return 6 * self.num_params(include_embeddings=False, active=True) + attention
+        matmul = 2 * (self._block_params(index, active=True) - norms)
+        return BlockFlops(matmul, 2 * down, 2 * norms, 2 * self.n_head * width * seq_len)
 
 
 def _check_mla(config: TransformerConfig) -> None:

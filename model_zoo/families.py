@@ -29,7 +29,8 @@ def by_hf_model_type(model_type: str) -> FamilySpec | None:
 
 def by_gguf_architecture(architecture: str) -> FamilySpec | None:
     """The family a GGUF ``general.architecture`` is, None if plugintrain reads none."""
-    return next((s for s in FAMILIES.values() if s.gguf_architecture == architecture), None)
+    readers = (s for s in FAMILIES.values() if s.gguf is not None)
+    return next((s for s in readers if s.gguf.architecture == architecture), None)
 
 
 def tp_plan(config: TransformerConfig) -> dict[str, str]:

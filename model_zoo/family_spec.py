@@ -8,7 +8,7 @@ own module plus one line in the registry.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,27 @@ from plugintrain.model_zoo.weight_plans import Plan
 
 def _same_key(key: str) -> str:
     return key
+
+
+@dataclass(frozen=True)
+class GGUFLayout:
+    """How llama.cpp's converter (``convert_hf_to_gguf.py``) lays a family out in a GGUF
+    file: what :mod:`plugintrain.formats.gguf` reads and writes for it."""
+
+    architecture: str
+    """``general.architecture`` (``llama``), also the prefix of the model's metadata keys."""
+    tensors: Mapping[str, str]
+    """Hugging Face tensor name -> GGUF tensor name; ``{i}`` stands for a block's index."""
+    config: Mapping[str, str]
+    """GGUF metadata key (after ``<architecture>.``) -> the Hugging Face ``config.json``
+    key it holds, in the order written; where several hold one key, the first read sets
+    it and the others must agree."""
+    permuted_qk: bool = False
+    """Each head's query and key rows are stored permuted into the interleaved pairs
+    llama.cpp's RoPE kernel turns (Llama's layout; Qwen3 runs NEOX RoPE, unpermuted)."""
+    rope_freqs: bool = False
+    """Llama 3 RoPE scaling travels as llama.cpp's ``rope_freqs`` tensor (per-frequency
+    divisors) and the original context length."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +61,11 @@ class FamilySpec:
     for variants the family does not build)."""
     to_hf_config: Callable[[TransformerConfig], dict[str, Any]]
     """The Hugging Face ``config.json`` of a config."""
-    gguf_architecture: str | None = None
-    """llama.cpp's ``general.architecture`` for the family; None where plugintrain reads and
-    writes no GGUF of it."""
+    gguf: GGUFLayout | None = None
+    """The family's GGUF layout; None where plugintrain reads and writes no GGUF of it."""
+    hf_conv1d: tuple[str, ...] = ()
+    """Hugging Face modules (names inside a block, ``attn.c_attn``) kept as GPT-2's
+    ``Conv1D``: ``(in, out)`` weights, PEFT's ``fan_in_fan_out``, transposed in GGUF."""
     hf_key: Callable[[str], str] = _same_key
     """A Hugging Face tensor name as the import plan names it (GPT-2's headless
     ``GPT2Model`` keys get their ``transformer.`` prefix)."""

@@ -3,7 +3,7 @@
 from typing import Any
 
 from plugintrain.model_zoo.config import TransformerConfig, register_preset
-from plugintrain.model_zoo.family_spec import FamilySpec
+from plugintrain.model_zoo.family_spec import FamilySpec, GGUFLayout
 from plugintrain.model_zoo.weight_plans import (
     Plan,
     chunk_of,
@@ -55,6 +55,8 @@ _CONV1DS = {
     "feed_forward.w2": "mlp.c_proj",
 }
 _QKV = ("wq", "wk", "wv")
+HF_CONV1D = ("attn.c_attn", *_CONV1DS.values())
+"""The Hugging Face modules stored as ``Conv1D``: ``(in, out)`` weights."""
 
 
 def hf_import_plan(config: TransformerConfig) -> Plan:
@@ -210,6 +212,41 @@ def tp_plan(config: TransformerConfig | None = None) -> dict[str, str]:
     }
 
 
+# Hugging Face module in a block -> llama.cpp's tensor kind (its GPT-2 converter).
+_GGUF_BLOCK = {
+    "ln_1": "attn_norm",
+    "attn.c_attn": "attn_qkv",
+    "attn.c_proj": "attn_output",
+    "ln_2": "ffn_norm",
+    "mlp.c_fc": "ffn_up",
+    "mlp.c_proj": "ffn_down",
+}
+GGUF = GGUFLayout(
+    architecture="gpt2",
+    tensors={
+        "transformer.wte.weight": "token_embd.weight",
+        "transformer.wpe.weight": "position_embd.weight",
+        "transformer.ln_f.weight": "output_norm.weight",
+        "transformer.ln_f.bias": "output_norm.bias",
+        "lm_head.weight": "output.weight",
+        **{
+            f"transformer.h.{{i}}.{module}.{kind}": f"blk.{{i}}.{gguf}.{kind}"
+            for module, gguf in _GGUF_BLOCK.items()
+            for kind in ("weight", "bias")
+        },
+    },
+    config={
+        "context_length": "n_positions",
+        "embedding_length": "n_embd",
+        "block_count": "n_layer",
+        "feed_forward_length": "n_inner",
+        "attention.head_count": "n_head",
+        "vocab_size": "vocab_size",
+        "attention.layer_norm_epsilon": "layer_norm_epsilon",
+    },
+)
+
+
 SPEC = FamilySpec(
     name="gpt2",
     hf_model_type="gpt2",
@@ -218,6 +255,7 @@ SPEC = FamilySpec(
     hf_export_plan=hf_export_plan,
     from_hf_config=from_hf_config,
     to_hf_config=to_hf_config,
-    gguf_architecture="gpt2",
+    gguf=GGUF,
+    hf_conv1d=HF_CONV1D,
     hf_key=hf_key,
 )

@@ -5,7 +5,7 @@ from typing import Any
 
 from plugintrain.model_zoo import gpt2
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig, register_preset
-from plugintrain.model_zoo.family_spec import FamilySpec
+from plugintrain.model_zoo.family_spec import FamilySpec, GGUFLayout
 from plugintrain.model_zoo.weight_plans import Plan, renamed
 
 # Llama 3.2 extends the 8k pretraining context to 128k with a 32x frequency scaling.
@@ -262,6 +262,49 @@ def tp_plan(config: TransformerConfig | None = None) -> dict[str, str]:
     return {**gpt2.tp_plan(), "layers.*.feed_forward.w3": "colwise"}
 
 
+# Hugging Face module in a block -> llama.cpp's tensor kind (its Llama converter).
+GGUF_BLOCK = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_CONFIG = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "vocab_size": "vocab_size",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    # llama.cpp takes n_embd / n_head per head unless told (Qwen3's heads are wider).
+    "attention.key_length": "head_dim",
+    "rope.dimension_count": "head_dim",
+    "attention.value_length": "head_dim",
+}
+"""GGUF metadata key -> Hugging Face ``config.json`` key, for Llama-like models."""
+
+
+def gguf_tensors(block: dict[str, str]) -> dict[str, str]:
+    """A Llama-like model's Hugging Face tensor -> GGUF tensor, its blocks' by ``block``."""
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+        **{
+            f"model.layers.{{i}}.{module}.weight": f"blk.{{i}}.{kind}.weight"
+            for module, kind in block.items()
+        },
+    }
+
+
 SPEC = FamilySpec(
     name="llama3",
     hf_model_type="llama",
@@ -270,5 +313,11 @@ SPEC = FamilySpec(
     hf_export_plan=hf_export_plan,
     from_hf_config=from_hf_config,
     to_hf_config=to_hf_config,
-    gguf_architecture="llama",
+    gguf=GGUFLayout(
+        architecture="llama",
+        tensors=gguf_tensors(GGUF_BLOCK),
+        config=GGUF_CONFIG,
+        permuted_qk=True,
+        rope_freqs=True,
+    ),
 )

@@ -13,7 +13,7 @@ from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX, token_cross_entropy
 from plugintrain.model_zoo.families import tp_plan
 from plugintrain.model_zoo.generation import TextGenerator
-from plugintrain.model_zoo.metrics import EvalMetrics
+from plugintrain.model_zoo.metrics import EvalMetrics, bits_per_byte
 from plugintrain.model_zoo.pretrained import build_transformer, load_pretrained, resolve_config
 from plugintrain.model_zoo.routing_stats import RoutingHooks
 from plugintrain.model_zoo.transformer import Transformer
@@ -219,7 +219,7 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
 
     def configure_optimizers(self) -> dict:
         """The injected optimizer over decay/no-decay groups, with a per-step LR schedule."""
-        optimizer = self.optimizer(self._param_groups())
+        optimizer = self.optimizer(self.param_groups())
         decay_steps = self.lr_decay_steps
         if decay_steps is None:
             decay_steps = self.trainer.estimated_stepping_batches
@@ -239,7 +239,9 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"},
         }
 
-    def _param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict]:
+        """The trainable parameters as the optimizer's two groups, which
+        :meth:`configure_optimizers` (and a dry run) builds the optimizer on."""
         # nanoGPT: decay matrices (Linear and embedding weights), not biases and norm gains.
         params = [p for p in self.parameters() if p.requires_grad]
         return [
@@ -259,7 +261,7 @@ def _bits_per_byte(
 ) -> torch.Tensor:
     """Bits per UTF-8 byte of the scored ``targets`` whose mean token NLL is ``loss`` (nats)."""
     scored = targets[targets != IGNORE_INDEX]
-    return loss * scored.numel() / (math.log(2) * token_bytes[scored].sum().clamp(min=1))
+    return bits_per_byte(loss * scored.numel(), token_bytes[scored].sum().clamp(min=1))
 
 
 def _token_bytes_of(datamodule: L.LightningDataModule | None) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
+from typing_extensions import override
 
 from plugintrain.core import profiling
 from plugintrain.model_zoo.config import MoEConfig, TransformerConfig
@@ -70,6 +71,7 @@ class _FP32Buffers(nn.Module):
 
     fp32_buffers: tuple[str, ...] = ()
 
+    @override
     def _apply(self, fn: Any, recurse: bool = True) -> _FP32Buffers:
         kept = {name: self._buffers[name] for name in self.fp32_buffers}
         super()._apply(fn, recurse)

@@ -11,7 +11,7 @@ from typing import Any
 
 from plugintrain.model_zoo import llama3
 from plugintrain.model_zoo.config import TransformerConfig, register_preset
-from plugintrain.model_zoo.family_spec import FamilySpec
+from plugintrain.model_zoo.family_spec import FamilySpec, GGUFLayout
 from plugintrain.model_zoo.layers import QK_NORM_PLAN
 from plugintrain.model_zoo.weight_plans import Plan, renamed
 
@@ -227,5 +227,15 @@ SPEC = FamilySpec(
     hf_export_plan=hf_export_plan,
     from_hf_config=from_hf_config,
     to_hf_config=to_hf_config,
-    gguf_architecture="qwen3",
+    gguf=GGUFLayout(
+        architecture="qwen3",
+        tensors=llama3.gguf_tensors(
+            {
+                **llama3.GGUF_BLOCK,
+                "self_attn.q_norm": "attn_q_norm",
+                "self_attn.k_norm": "attn_k_norm",
+            }
+        ),
+        config=llama3.GGUF_CONFIG,
+    ),
 )

@@ -1,8 +1,9 @@
 """The ``plugintrain`` command line: one entry point, :func:`main`, that imports nothing heavy
 until it knows what runs.
 
-``plugintrain prepare|generate|convert|...`` are plain tools (:mod:`plugintrain.tools`)
-that need no Trainer and load torch only once their arguments are checked;
+``plugintrain prepare|generate|convert|...`` are typed functions registered in
+:data:`plugintrain.tools.COMMANDS`, that need no Trainer and load torch only once their
+arguments are checked;
 ``plugintrain fit|validate|test|predict`` run through
 :class:`~plugintrain.lightning_cli.PluginTrainCLI`, imported (with Lightning) only after the
 command, the ``--config`` recipe and the ``--trainer.*`` option names have been checked.
@@ -24,14 +25,14 @@ TRAINING_COMMANDS = ("fit", "validate", "test", "predict")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``plugintrain`` console script and ``python -m plugintrain``."""
-    from plugintrain.tools import TOOLS, print_overview
+    from plugintrain.tools import COMMANDS, overview, run_command
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print_overview()
+        print(overview(), end="")
         return 0
-    if args[0] in TOOLS:
-        return TOOLS[args[0]](args[1:])
+    if args[0] in COMMANDS:
+        return run_command(args[0], args[1:])
     try:
         args = checked_training_args(args)
         if argv is None:  # LightningCLI reads sys.argv itself; passing it again only warns
@@ -60,10 +61,10 @@ def checked_training_args(args: Sequence[str]) -> list[str]:
     Raises:
         ConfigError: With the one-line message ``main`` prints.
     """
-    from plugintrain.tools import TOOLS
+    from plugintrain.tools import COMMANDS
     from plugintrain.tools.recipes import resolve_config_args
 
-    _check_command(args[0], [*TRAINING_COMMANDS, *TOOLS])
+    _check_command(args[0], [*TRAINING_COMMANDS, *COMMANDS])
     resolved = resolve_config_args(args)  # --config NAME: a packaged recipe
     _check_trainer_options(resolved[1:])
     return resolved

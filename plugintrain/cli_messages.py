@@ -22,7 +22,7 @@ import re
 import traceback
 from argparse import ArgumentError
 from collections.abc import Iterable, Sequence
-from typing import Any, get_args
+from typing import Any
 
 # What a user's mistake raises (and Lightning's MisconfigurationException); anything else
 # is a bug and keeps its traceback.
@@ -56,12 +56,10 @@ def lightning_strategy_names() -> list[str]:
 
 def lightning_precision_names() -> list[str]:
     """The ``trainer.precision`` values Lightning accepts that plugintrain leaves to it."""
-    from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
-
+    from plugintrain.core.lightning_seam import precision_names
     from plugintrain.precision_plugins import PRECISION_PLUGINS
 
-    names = (str(v) for literal in get_args(_PRECISION_INPUT) for v in get_args(literal))
-    return [n for n in dict.fromkeys(names) if n not in PRECISION_PLUGINS]
+    return [n for n in precision_names() if n not in PRECISION_PLUGINS]
 
 
 def strategy_help() -> str:

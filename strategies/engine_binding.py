@@ -29,7 +29,7 @@ from plugintrain.strategies.tied import TiedParameters
 
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` wrapper."""
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class EngineBinding:

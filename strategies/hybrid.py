@@ -21,7 +21,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,6 +33,7 @@ from typing_extensions import override
 from plugintrain.checkpoints.dcp import load_dtensor_states
 from plugintrain.core.contracts import AutocastSwitch, CallsModelBuiltHooks, GradientLayout
 from plugintrain.core.elastic import init_restarted_process_group
+from plugintrain.core.lightning_seam import LightningStrategyRegistry, give_module_mesh
 from plugintrain.precision_plugins import PrecisionDtypes, precision_dtypes
 from plugintrain.strategies.auto_split import balance_stages
 from plugintrain.strategies.blocks import BlockOptions
@@ -48,6 +48,7 @@ from plugintrain.strategies.parallel_plan import (
 )
 from plugintrain.strategies.pipeline_runtime import PipelineRuntime, chunk_partition
 from plugintrain.strategies.pipeline_stages import AUTO, PipelineOptions, VirtualStage
+from plugintrain.strategies.registry import register_names
 from plugintrain.strategies.tensor_parallel import retie, shared_parameters
 from plugintrain.strategies.tied import TiedParameters
 
@@ -123,11 +124,14 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         )
         # Validated once here; the world size is filled in when it is known.
         self.parallel_dims = ParallelDims(
-            data_parallel=data_parallel, tensor_parallel=tensor_parallel,
-            sequence_parallel=sequence_parallel, pipeline_parallel=pipeline_parallel,
+            data_parallel=data_parallel,
+            tensor_parallel=tensor_parallel,
+            sequence_parallel=sequence_parallel,
+            pipeline_parallel=pipeline_parallel,
             virtual_pipeline_parallel=virtual_pipeline_parallel,
-            expert_parallel=expert_parallel, zero_stage=zero_stage,
-        )  # fmt: skip
+            expert_parallel=expert_parallel,
+            zero_stage=zero_stage,
+        )
         self.pipeline_options = PipelineOptions.resolve(
             self.parallel_dims, schedule, microbatches, layers_per_stage, wire_dtype
         )
@@ -159,7 +163,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         self._setup_distributed()
         self._device_mesh = self._layout_for(self.world_size).build_mesh(self.root_device.type)
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        give_module_mesh(self.lightning_module, self._device_mesh)
 
     @property
     @override
@@ -215,10 +219,10 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         tied = TiedParameters.of(module)
         # Under a pipeline, each chunk's buckets are its own, to reduce it once it is done.
         partition = chunk_partition(module, stages, tied) if stages is not None else None
+        mesh, compiled = self.device_mesh, self.block_options.compile
         engine = build_engine(
-            module, self.dims, self.device_mesh, self.bucket_size_mb, self.overlap_comm,
-            self.block_options.compile, partition,
-        )  # fmt: skip
+            module, self.dims, mesh, self.bucket_size_mb, self.overlap_comm, compiled, partition
+        )
         self._binding.bind(engine, tied, module.trainer, self.precision_plugin, self.optimizers)
 
     @override
@@ -316,11 +320,8 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        description = "pp x tp (+ sp) x dp with ZeRO, on a DeviceMesh"
-        strategy_registry.register(cls.strategy_name, cls, description=description)
-        description = "GPipe / 1F1B / interleaved pipeline parallelism x data parallelism"
-        strategy_registry.register("pipeline", cls, description=description, pipeline_parallel=2)
+    def register_strategies(cls, strategy_registry: LightningStrategyRegistry) -> None:
+        register_names(cls, strategy_registry)
 
 
 def _cast_by_fsdp(plugin: Precision, fsdp: bool) -> PrecisionDtypes | None:

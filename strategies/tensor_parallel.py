@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from typing_extensions import override
 
 from plugintrain.core.contracts import TensorParallelExtras
 
@@ -49,6 +50,7 @@ class _FirstInput(PrepareModuleInput):
     Attention takes ``(x, rope, input_pos, mask)`` and the MLP ``(x,)``; one style serves both.
     """
 
+    @override
     def _prepare_input_fn(self, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
         return (*super()._prepare_input_fn(inputs[:1], device_mesh), *inputs[1:])
 
@@ -79,9 +81,10 @@ class _Colwise(ColwiseParallel):
     """``ColwiseParallel`` that splits a Linear's declared extra parameters (a LoRA
     adapter: ``A`` replicated, ``B`` over the output) with it."""
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    @override
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         split = super()._partition_linear_fn
-        _split_extras("colwise", split, self.src_data_rank, name, module, mesh)
+        _split_extras("colwise", split, self.src_data_rank, name, module, device_mesh)
 
 
 class _Rowwise(RowwiseParallel):
@@ -89,9 +92,10 @@ class _Rowwise(RowwiseParallel):
     adapter: ``A`` over the input, ``B`` replicated) with it; the adapter's partial output
     joins the layer's own before its single reduction."""
 
-    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    @override
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
         split = super()._partition_linear_fn
-        _split_extras("rowwise", split, self.src_data_rank, name, module, mesh)
+        _split_extras("rowwise", split, self.src_data_rank, name, module, device_mesh)
 
 
 class _SumGradient(ParallelStyle):
@@ -101,6 +105,7 @@ class _SumGradient(ParallelStyle):
     gradient. Megatron's ``f`` operator for one tensor, through a DTensor whose local
     gradient is marked ``Partial``."""
 
+    @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def summed(_: nn.Module, inputs: tuple) -> tuple:
             shared = DTensor.from_local(inputs[0], device_mesh, [Replicate()], run_check=False)

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
@@ -28,6 +27,7 @@ from typing_extensions import override
 from plugintrain.checkpoints.dcp import load_weights
 from plugintrain.core.contracts import CallsModelBuiltHooks, GradientLayout
 from plugintrain.core.elastic import init_restarted_process_group
+from plugintrain.core.lightning_seam import LightningStrategyRegistry
 from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.buckets import (
     PARAMETER_SERVER,
@@ -37,6 +37,7 @@ from plugintrain.strategies.buckets import (
 )
 from plugintrain.strategies.engine_binding import EngineBinding
 from plugintrain.strategies.grad_engine import GradientEngine
+from plugintrain.strategies.registry import register_names
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -252,15 +253,8 @@ class ZeroStrategy(CallsModelBuiltHooks, DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (
-            ("ddp_bucketed", 0, "bucketed, overlapped all-reduce data parallelism"),
-            ("zero1", 1, "ZeRO stage 1: optimizer state sharded over data-parallel ranks"),
-            ("zero2", 2, "ZeRO stage 2: optimizer state and gradients sharded"),
-            (PARAMETER_SERVER, PARAMETER_SERVER, "gradients reduced to rank 0, which steps"),
-        )
-        for name, stage, description in entries:
-            strategy_registry.register(name, cls, description=description, stage=stage)
+    def register_strategies(cls, strategy_registry: LightningStrategyRegistry) -> None:
+        register_names(cls, strategy_registry)
 
 
 class ParameterServerStrategy(ZeroStrategy):

@@ -10,8 +10,10 @@ to its program, in this process, with the program's own parser:
   Lightning loads (command, recipe, ``--trainer.*`` names), then LightningCLI's own parser
   (:func:`plugintrain.lightning_cli.training_parser`, built once): every option exists and
   every value parses, the recipe included; then the strategy name. Nothing is built or run.
-- ``plugintrain <tool> ...`` and ``python benchmarks/<script>.py ...``: the program's own
-  ``argparse`` parser, stopped right after it parsed.
+- ``plugintrain <command> ...``: the command's own parser (built from its function,
+  :mod:`plugintrain.tools._command`), which parses and runs nothing; a pass-through command
+  (``lm-eval``) and ``python benchmarks/<script>.py ...``: the program's own ``argparse``
+  parser, stopped right after it parsed.
 - ``torchrun ... -m plugintrain ...``: torchrun's parser, then the plugintrain command;
   ``srun ... plugintrain ...``: the plugintrain command; ``sbatch FILE``: the file exists.
 - ``make TARGET VAR=...``: the target and the variable are in the Makefile.
@@ -234,12 +236,18 @@ class Checker:
         return self._plugintrain(command, list(options.training_script_args))
 
     def _plugintrain(self, command: Command, args: list[str]) -> str | None:
-        from plugintrain.tools import TOOLS
+        from plugintrain.tools import COMMANDS
+        from plugintrain.tools._command import refusal
 
         if not args or args[0] in ("-h", "--help"):
             return self._run(command, args) if self.run_cheap else None
-        if args[0] in TOOLS:
-            problem = _parse_only(lambda: TOOLS[args[0]](args[1:]), ["plugintrain", *args])
+        if args[0] in COMMANDS:
+            spec = COMMANDS[args[0]]
+            problem = (
+                _parse_only(lambda: spec.load()(args[1:]), ["plugintrain", *args])
+                if spec.passthrough
+                else refusal(args[0], spec, args[1:])
+            )
             problem = _allow_missing(problem, command)
             if problem is None and self.run_cheap and not command.inline and _cheap(args):
                 return self._run(command, args)
@@ -327,14 +335,14 @@ def _parse_only(run: Callable[[], Any], argv: Sequence[str]) -> str | None:
     return "ran without parsing any argument"
 
 
-def tool_parser(command: str) -> argparse.ArgumentParser:
-    """The ``argparse`` parser of ``plugintrain <command>``, as the tool builds it: caught
-    at the tool's first parse, before it parses anything.
+def passthrough_parser(command: str) -> argparse.ArgumentParser:
+    """The ``argparse`` parser of a pass-through ``plugintrain <command>`` (``lm-eval``:
+    another program's own), caught at its first parse, before it parses anything.
 
     Raises:
-        RuntimeError: If the tool parsed nothing (lm-eval without lm_eval installed).
+        RuntimeError: If the command parsed nothing (lm-eval without lm_eval installed).
     """
-    from plugintrain.tools import TOOLS
+    from plugintrain.tools import COMMANDS
 
     caught: list[argparse.ArgumentParser] = []
 
@@ -348,7 +356,7 @@ def tool_parser(command: str) -> argparse.ArgumentParser:
         contextlib.redirect_stderr(err := io.StringIO()),
         contextlib.suppress(_Parsed),
     ):
-        TOOLS[command](["--help"])
+        COMMANDS[command].load()(["--help"])
     if not caught:
         raise RuntimeError(f"plugintrain {command} parsed no arguments: {err.getvalue().strip()}")
     return caught[0]

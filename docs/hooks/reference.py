@@ -1,10 +1,10 @@
 """MkDocs hook: the CLI and API reference pages, generated at every build, never by hand.
 
 - **CLI** (``reference/cli/``): one page per ``plugintrain`` command with what the command's
-  own parser prints for ``--help``: the tools' ``argparse`` parsers and LightningCLI's parser
-  of ``fit``/``validate``/``test``/``predict`` (with ``--<key>.help CLASS`` for every class a
-  recipe configures by class path: models, data modules, strategies, callbacks), each
-  ``plugintrain prepare`` dataset apart.
+  own parser prints for ``--help``: the commands' parsers (built from their functions) and
+  LightningCLI's parser of ``fit``/``validate``/``test``/``predict`` (with ``--<key>.help
+  CLASS`` for every class a recipe configures by class path: models, data modules,
+  strategies, callbacks), each ``plugintrain prepare`` dataset apart.
 - **API** (``reference/api/``): one page per public module of plugintrain (and of the
   three folders it installs under its name), rendered from the docstrings by mkdocstrings;
   a package's page lists what its ``__all__`` exports, each linked to where it is defined.
@@ -27,7 +27,7 @@ from mkdocs.structure.files import File, Files
 
 sys.path.insert(0, str(Path(__file__).parent))
 from api_index import ApiIndex, load, public, source_tree
-from commands import TRAINING, tool_parser
+from commands import TRAINING, passthrough_parser
 
 _PAGES: dict[str, str] = {}
 HELP_COLUMNS = "100"
@@ -76,31 +76,40 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 def cli_pages() -> dict[str, str]:
     """``reference/cli/<command>.md`` for every command, and the index."""
     from plugintrain.lightning_cli import training_parser
-    from plugintrain.tools import TOOLS, print_overview
+    from plugintrain.tools import COMMANDS, overview
 
-    overview = io.StringIO()
-    with contextlib.redirect_stdout(overview):
-        print_overview()
     training = training_parser(documented=True)
     subcommands = training._subcommands_action._name_parser_map
-    pages = {"reference/cli/index.md": _cli_index(overview.getvalue(), [*TRAINING, *TOOLS])}
+    pages = {"reference/cli/index.md": _cli_index(overview(), [*TRAINING, *COMMANDS])}
     for command in TRAINING:
         classes = _class_help(training) if command == "fit" else ""
         pages[f"reference/cli/{command}.md"] = _cli_page(
             command, subcommands[command].format_help(), classes
         )
-    for command in TOOLS:
-        try:
-            parser = tool_parser(command)
-        except RuntimeError as error:  # lm-eval needs the `eval` extra
-            pages[f"reference/cli/{command}.md"] = f"# plugintrain {command}\n\n{error}\n"
-            continue
-        sections = "".join(
-            _section(f"plugintrain {command} {name}", sub.format_help())
-            for name, sub in _subparsers(parser).items()
-        )
-        pages[f"reference/cli/{command}.md"] = _cli_page(command, parser.format_help(), sections)
+    for command in COMMANDS:
+        pages[f"reference/cli/{command}.md"] = _command_page(command)
     return pages
+
+
+def _command_page(command: str) -> str:
+    """One command's page: its ``--help``, and each sub-command's (``prepare text``...)."""
+    from plugintrain.tools import COMMANDS
+    from plugintrain.tools._command import Group, group_help, parsers
+
+    spec = COMMANDS[command]
+    if spec.passthrough:
+        try:
+            return _cli_page(command, passthrough_parser(command).format_help(), "")
+        except RuntimeError as error:  # lm-eval needs the `eval` extra
+            return f"# plugintrain {command}\n\n{error}\n"
+    found = parsers(command, spec)
+    loaded = spec.load()
+    if not isinstance(loaded, Group):
+        return _cli_page(command, found[command].format_help(), "")
+    sections = "".join(
+        _section(f"plugintrain {name}", parser.format_help()) for name, parser in found.items()
+    )
+    return _cli_page(command, group_help(loaded, f"plugintrain {command}"), sections)
 
 
 def _cli_index(overview: str, commands: list[str]) -> str:
@@ -122,14 +131,6 @@ def _cli_page(command: str, help_text: str, more: str) -> str:
 
 def _section(title: str, text: str) -> str:
     return f"\n## {title}\n\n```text\n{text.rstrip()}\n```\n"
-
-
-def _subparsers(parser: Any) -> dict[str, Any]:
-    """A tool's sub-commands (``prepare shakespeare``, ``prepare text``, ...), if any."""
-    import argparse
-
-    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(actions[0].choices) if actions else {}
 
 
 def _class_help(training: Any) -> str:
@@ -174,11 +175,19 @@ def _api_page(index: ApiIndex, module: Any) -> str:
     # The package's own objects here (what it imports is on its home module's page).
     own = [n for n, m in module.members.items() if not (m.is_alias or m.is_module) and public(n)]
     page += f"    options:\n      show_root_heading: false\n      members: {own or 'false'}\n"
-    exports = module.exports or []
+    exports = module.exports or _lazy_exports(module.path)
     if exports:
         rows = "\n".join(f"| {_export(index, module, str(name))} |" for name in exports)
         page += f"\n## Exports\n\n| name | defined in |\n|---|---|\n{rows}\n"
     return page
+
+
+def _lazy_exports(package: str) -> list[str]:
+    """A lazy face's ``__all__``, which ``plugintrain.core.lazy.lazy_exports`` makes when
+    the package is imported (griffe reads the file and cannot compute it)."""
+    import importlib
+
+    return list(getattr(importlib.import_module(package), "__all__", []))
 
 
 def _export(index: ApiIndex, package: Any, name: str) -> str:

@@ -9,37 +9,13 @@ measurements into records, a Markdown table and plots, and
 Names are imported from their modules on first use, so reading a matrix loads no torch.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from plugintrain.core.lazy import lazy_exports
 
-if TYPE_CHECKING:
-    from plugintrain.bench.baselines import ZeroRedundancyAdamW
-    from plugintrain.bench.matrix import RUNNERS, BenchConfig, MatrixError, load_matrix
-    from plugintrain.bench.recorder import BenchRecorder, RankRecord
-
-_HOME = {
-    "ZeroRedundancyAdamW": "baselines",
-    "RUNNERS": "matrix",
-    "BenchConfig": "matrix",
-    "MatrixError": "matrix",
-    "load_matrix": "matrix",
-    "BenchRecorder": "recorder",
-    "RankRecord": "recorder",
-}
-
-__all__ = [
-    "RUNNERS",
-    "BenchConfig",
-    "BenchRecorder",
-    "MatrixError",
-    "RankRecord",
-    "ZeroRedundancyAdamW",
-    "load_matrix",
-]
-
-
-def __getattr__(name: str) -> Any:
-    """Each public name from its module, imported when first asked for."""
-    if name in _HOME:
-        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "baselines": ("ZeroRedundancyAdamW",),
+        "matrix": ("RUNNERS", "BenchConfig", "MatrixError", "load_matrix"),
+        "recorder": ("BenchRecorder", "RankRecord"),
+    },
+)

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from plugintrain.bench.recorder import BenchRecorder, RankRecord, optimizer_tensors
+from plugintrain.core.lightning_seam import split_threads_between
 from plugintrain.core.memory import LiveTensorMemory, storage_bytes
 from plugintrain.core.peak_flops import device_peak_flops
 from plugintrain.core.profiling import device_seconds
@@ -247,7 +247,7 @@ def torch_pipelining(fit_args: Sequence[str]) -> None:
     loop = _Loop(fit_args, local_rank=int(os.environ.get("LOCAL_RANK", rank)))
     pp, vpp, options = _pipeline_layout(loop.strategy, world)
     dist.init_process_group("nccl" if loop.device.type == "cuda" else "gloo")
-    _set_num_threads_if_needed(world)  # the cores split between the ranks, as in `fit`
+    split_threads_between(world)  # the cores split between the ranks, as in `fit`
     module = loop.module
     module.configure_model()
     chunks = split_model(module.model, rank, pp, vpp, options.layers_per_stage)

@@ -6,12 +6,15 @@ Everything else in this project was tested on the CPU, so the CPU is the referen
   tolerance (TF32 off for the comparison);
 - :func:`precision_trains`: ``bf16-mixed``, ``bf16-true`` and ``16-mixed`` steps run on the
   device and the loss falls;
-- :func:`strategy_parity`: each strategy that fits one process (``ddp_bucketed``,
-  ``zero1``, ``zero2``, and ``hybrid`` and ``pipeline`` degenerate at world size 1) gives
-  the losses of a plain CPU run, step by step;
+- :func:`strategy_parity`: each registered strategy that fits one process
+  (:attr:`~plugintrain.strategies.StrategySpec.one_process`: the data-parallel ones, and
+  the hybrid and pipeline ones degenerate at world size 1) gives the losses of a plain CPU
+  run, step by step;
 - :func:`throughput`: ``gpt2-124m`` and ``llama3.2-1b`` (random weights) in ``bf16-mixed``:
   tokens/s, MFU against the dense bf16 peak (:mod:`plugintrain.core.peak_flops`) and peak
   memory from the CUDA allocator.
+
+:func:`run_checks` runs the sections asked for, one report row per check.
 
 Each function takes the device, so the same code runs on the CPU (where a comparison is
 trivially equal) in the CPU test tier; ``tests/gpu`` runs them on CUDA as the ``gpu`` tier.
@@ -26,9 +29,11 @@ import logging
 import math
 import statistics
 import tempfile
+import time
+import traceback
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +47,7 @@ from plugintrain import strategies
 from plugintrain.bench.recorder import BenchRecorder
 from plugintrain.model_zoo import CausalLM, MNISTClassifier, TransformerConfig
 from plugintrain.precision_plugins import precision_plugin_from_name
-from plugintrain.strategies import PipelineStrategy
+from plugintrain.strategies.registry import STRATEGIES as REGISTERED
 
 strategies.register()  # the plugintrain strategy names, for Trainer(strategy=...)
 
@@ -55,7 +60,8 @@ FAMILIES = (
     "mnist",
 )
 PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
-STRATEGIES = ("ddp_bucketed", "zero1", "zero2", "hybrid", "pipeline")
+STRATEGIES = tuple(s.name for s in REGISTERED.values() if s.one_process is not None)
+"""The strategies that run in one process, in registration order."""
 THROUGHPUT_RUNS = {"gpt2-124m": (16, 1024), "llama3.2-1b": (4, 1024)}
 """Preset -> (sequences, tokens each) per step: benchmarks/gpu.yaml's shapes."""
 LOGITS_TOL = 1e-4
@@ -199,7 +205,9 @@ def cpu_reference_losses(steps: int = 4) -> tuple[float, ...]:
 def strategy_parity(strategy: str, device: torch.device, steps: int = 4) -> Check:
     """``strategy`` at world size 1 on ``device``, fp32: the CPU reference's losses."""
     reference = cpu_reference_losses(steps)
-    chosen = PipelineStrategy(pipeline_parallel=1) if strategy == "pipeline" else strategy
+    spec = REGISTERED[strategy]
+    # By name, unless one process needs other options (a pipeline of one stage).
+    chosen = spec.load()(**{**spec.options, **spec.one_process}) if spec.one_process else strategy
     with full_fp32():
         losses = _fit_losses(device, chosen, "32-true", _token_batches(steps, steps), 1e-3)
     diffs = [abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True)]
@@ -259,3 +267,45 @@ def quiet() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", module="lightning")
+
+
+def planned_checks(
+    device: torch.device, sections: Sequence[str]
+) -> list[tuple[str, str, Callable]]:
+    """(section, name, check) triples to run on ``device``, in report order."""
+    plan = {
+        "logits": (FAMILIES, logits_parity),
+        "precision": (PRECISIONS, precision_trains),
+        "strategy": (STRATEGIES, strategy_parity),
+        "throughput": (tuple(THROUGHPUT_RUNS), throughput),
+    }
+    return [
+        (section, name, functools.partial(plan[section][1], name, device))
+        for section in sections
+        for name in plan[section][0]
+    ]
+
+
+def run_checks(device: torch.device, sections: Sequence[str]) -> list[dict]:
+    """Run the planned checks; one that raises is a failed check naming its exception
+    (the rest still run), with the traceback on stderr."""
+    quiet()
+    rows = []
+    for section, name, check in planned_checks(device, sections):
+        start = time.perf_counter()
+        try:
+            result = check()
+        except Exception as error:  # report it and go on: one table of every result
+            traceback.print_exc()
+            result = Check(section, name, False, f"{type(error).__name__}: {error}")
+        rows.append({**asdict(result), "seconds": time.perf_counter() - start})
+        print(_row(rows[-1]), flush=True)
+    return rows
+
+
+def _row(row: dict) -> str:
+    verdict = "ok" if row["ok"] else "FAIL"
+    return (
+        f"{row['section']:<11} {row['name']:<24} {verdict:<5}"
+        f" {row['seconds']:>6.1f}s  {row['detail']}"
+    )

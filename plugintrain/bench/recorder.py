@@ -21,13 +21,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.callbacks.throughput import _data_parallel_replicas
 from plugintrain.core.contracts import HoldsGradients
+from plugintrain.core.lightning_seam import compute_dtype
 from plugintrain.core.memory import LiveTensorMemory, storage_bytes
 from plugintrain.core.peak_flops import device_peak_flops
 from plugintrain.core.profiling import device_seconds
@@ -114,7 +114,7 @@ class BenchRecorder(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = trainer.strategy.root_device
-        dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+        dtype = compute_dtype(trainer.precision_plugin)
         self._record = RankRecord(
             rank=trainer.global_rank,
             world_size=trainer.world_size,

@@ -7,8 +7,9 @@ import logging
 from typing import Any
 
 from lightning.pytorch.callbacks import ModelSummary, RichProgressBar
-from lightning.pytorch.utilities.model_summary.model_summary import _format_summary_table
 from typing_extensions import override
+
+from plugintrain.core.lightning_seam import format_summary_table
 
 # Lightning's own summary logs here, and Lightning gives this logger a console handler.
 log = logging.getLogger("lightning.pytorch.callbacks.model_summary")
@@ -62,7 +63,7 @@ class CountedFlopsSummary(ModelSummary):
             )
             return
         columns = [column for column in summary_data if column[0] != "FLOPs"]
-        table = _format_summary_table(
+        table = format_summary_table(
             total_parameters, trainable_parameters, model_size, total_training_modes, 0, *columns
         )
         lines = [line for line in table.splitlines() if not line.endswith("Total Flops")]

@@ -154,9 +154,9 @@ class LoRA(Callback):
         after checking that they fit this run's spec and targets."""
         if self.adapter is None:
             return {}
-        from plugintrain.formats.peft_adapters import read_peft
+        from plugintrain.formats import read_adapters
 
-        spec, tensors = read_peft(self.adapter, pl_module.config)
+        spec, tensors = read_adapters(self.adapter, pl_module.config)
         if spec.r != self.spec.r or abs(spec.alpha / spec.r - self.spec.alpha / self.spec.r) > 1e-9:
             raise ValueError(
                 f"the PEFT adapter {self.adapter} has r={spec.r}, alpha={spec.alpha:g}; set the"

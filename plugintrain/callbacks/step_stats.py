@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from plugintrain.core.contracts import GradientLayoutProvider, default_gradient_layout
+from plugintrain.core.lightning_seam import logs_this_step
 from plugintrain.precision_plugins import FP16MixedPrecision
 
 GRAD_NORM = "grad_norm"
@@ -57,7 +58,7 @@ class StepStatsMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         # Same condition on every rank (a step count), so the norm's collective matches.
-        if not trainer._logger_connector.should_update_logs:
+        if not logs_this_step(trainer):
             return
         if self.grad_norm:
             pl_module.log(GRAD_NORM, _global_grad_norm(trainer, optimizer), on_step=True)
@@ -74,7 +75,7 @@ class StepStatsMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if self._tracks_memory(trainer) and trainer._logger_connector.should_update_logs:
+        if self._tracks_memory(trainer) and logs_this_step(trainer):
             peak = torch.cuda.max_memory_allocated(trainer.strategy.root_device)
             pl_module.log(PEAK_MEMORY, float(peak), on_step=True)
 

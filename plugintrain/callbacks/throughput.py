@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ThroughputMonitor
-from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from plugintrain.core.lightning_seam import accumulating, compute_dtype, log_metrics, logs_this_step
 from plugintrain.core.peak_flops import device_peak_flops
 
 
@@ -84,7 +84,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
         self.kwargs["window_size"] = _timed_points(self.window_size, trainer.log_every_n_steps)
         super().setup(trainer, pl_module, stage)
         # Dense peaks for CUDA devices (plugintrain.core.peak_flops), Lightning's elsewhere.
-        dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
+        dtype = compute_dtype(trainer.precision_plugin)
         peak = device_peak_flops(trainer.strategy.root_device, dtype) or self.available_flops
         replicas = _data_parallel_replicas(trainer)
         for throughput in self._throughputs.values():
@@ -125,7 +125,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
     @override
     def _compute(self, trainer: Trainer, iter_num: int | None = None) -> None:
         # Lightning's, with the training figures under the stable names above.
-        if not trainer._logger_connector.should_update_logs:
+        if not logs_this_step(trainer):
             return
         stage = trainer.state.stage
         assert stage is not None
@@ -135,7 +135,7 @@ class TokenThroughputMonitor(ThroughputMonitor):
             metrics = {f"throughput/{_TOKEN_NAMES.get(k, k)}": v for k, v in metrics.items()}
         else:
             metrics = {f"{stage.value}{throughput.separator}{k}": v for k, v in metrics.items()}
-        trainer._logger_connector.log_metrics(metrics, step=iter_num)  # type: ignore[arg-type]
+        log_metrics(trainer, metrics, step=iter_num)
 
     @override
     @rank_zero_only
@@ -187,9 +187,9 @@ def _timed_points(window_size: int, log_every_n_steps: int) -> int:
 def _logs_now(trainer: Trainer) -> bool:
     """Whether this batch's figures are logged (``_compute`` runs in training only after a
     step's last micro-batch, so the optimizer step is inside the timed span)."""
-    if trainer.state.stage == RunningStage.TRAINING and trainer.fit_loop._should_accumulate():
+    if trainer.state.stage == RunningStage.TRAINING and accumulating(trainer):
         return False
-    return trainer._logger_connector.should_update_logs
+    return logs_this_step(trainer)
 
 
 def _synchronize(device: torch.device) -> None:

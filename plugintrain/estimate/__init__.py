@@ -14,53 +14,21 @@ fit recipe's model and layout; :mod:`~plugintrain.estimate.timing` predicts a la
 time, tokens/s and MFU on a named cluster (the scaling calculator).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from plugintrain.core.lazy import lazy_exports
 
-from plugintrain.estimate.names import PRECISIONS, STRATEGIES
-
-if TYPE_CHECKING:
-    from plugintrain.estimate.activations import activation_bytes, block_saved_bytes
-    from plugintrain.estimate.layout import Layout
-    from plugintrain.estimate.search import (
-        Estimate,
-        RankMemory,
-        candidate_layouts,
-        estimate,
-        fitting_layouts,
-        parse_bytes,
-    )
-
-_HOME = {
-    "activation_bytes": "activations",
-    "block_saved_bytes": "activations",
-    "Layout": "layout",
-    "Estimate": "search",
-    "RankMemory": "search",
-    "candidate_layouts": "search",
-    "estimate": "search",
-    "fitting_layouts": "search",
-    "parse_bytes": "search",
-}
-
-__all__ = [
-    "PRECISIONS",
-    "STRATEGIES",
-    "Estimate",
-    "Layout",
-    "RankMemory",
-    "activation_bytes",
-    "block_saved_bytes",
-    "candidate_layouts",
-    "estimate",
-    "fitting_layouts",
-    "parse_bytes",
-]
-
-
-def __getattr__(name: str) -> Any:
-    """Each public name from its module, imported (with the strategies and the model zoo)
-    when first asked for."""
-    if name in _HOME:
-        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(
+    __name__,
+    {
+        "activations": ("activation_bytes", "block_saved_bytes"),
+        "layout": ("Layout",),
+        "names": ("PRECISIONS", "STRATEGIES"),
+        "search": (
+            "Estimate",
+            "RankMemory",
+            "candidate_layouts",
+            "estimate",
+            "fitting_layouts",
+            "parse_bytes",
+        ),
+    },
+)

@@ -159,9 +159,12 @@ class _Chunk:
 
 
 def _chunk(
-    config: TransformerConfig, layout: Layout, stage: int, layers: list[int],
+    config: TransformerConfig,
+    layout: Layout,
+    stage: int,
+    layers: list[int],
     params: tuple[Param, ...],
-) -> _Chunk:  # fmt: skip
+) -> _Chunk:
     """The activations of virtual ``stage`` running ``layers`` for one micro-batch."""
     w = _Widths.of(config, layout)
     tokens = layout.micro_batch * layout.seq_len

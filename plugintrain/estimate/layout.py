@@ -21,6 +21,17 @@ from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.mesh import ParallelDims
 from plugintrain.strategies.pipeline_stages import PipelineOptions, check_layers
 
+_DEGREE_FIELDS = {
+    "dp": "data_parallel",
+    "tp": "tensor_parallel",
+    "sp": "sequence_parallel",
+    "pp": "pipeline_parallel",
+    "vpp": "virtual_pipeline_parallel",
+    "ep": "expert_parallel",
+    "zero_stage": "zero_stage",
+}
+"""The command line's name of each degree -> its :class:`ParallelDims` field."""
+
 
 def _one_device() -> ParallelDims:
     return ParallelDims(world_size=1)
@@ -105,10 +116,15 @@ class Layout:
         default targets unless ``lora_targets``); ``sizes``: the other fields."""
         stage = ENGINE_STAGE.get(strategy, zero_stage if strategy == "hybrid" else 0)
         dims = ParallelDims(
-            world_size=dp * tp * pp, data_parallel=dp, tensor_parallel=tp,
-            sequence_parallel=sp, pipeline_parallel=pp, virtual_pipeline_parallel=vpp,
-            expert_parallel=ep, zero_stage=stage,
-        )  # fmt: skip
+            world_size=dp * tp * pp,
+            data_parallel=dp,
+            tensor_parallel=tp,
+            sequence_parallel=sp,
+            pipeline_parallel=pp,
+            virtual_pipeline_parallel=vpp,
+            expert_parallel=ep,
+            zero_stage=stage,
+        )
         counts = None if layers_per_stage is None else list(layers_per_stage)
         targets = {} if lora_targets is None else {"target_modules": tuple(lora_targets)}
         if lora_r < 0:
@@ -125,10 +141,7 @@ class Layout:
     def replace(self, **degrees: Any) -> Layout:
         """This layout with other degrees (``dp``, ``tp``, ``sp``, ``pp``, ``vpp``, ``ep``,
         ``zero_stage``), the pipeline's schedule and micro-batches the defaults for them."""
-        names = {"dp": "data_parallel", "tp": "tensor_parallel", "sp": "sequence_parallel",
-                 "pp": "pipeline_parallel", "vpp": "virtual_pipeline_parallel",
-                 "ep": "expert_parallel", "zero_stage": "zero_stage"}  # fmt: skip
-        changes = {names[key]: value for key, value in degrees.items()}
+        changes = {_DEGREE_FIELDS[key]: value for key, value in degrees.items()}
         dims = dataclasses.replace(self.dims, world_size=None, **changes)
         dims = dims.with_world_size(dims.data_parallel * dims.tp * dims.pp)
         counts = self.pipeline.layers_per_stage
@@ -164,15 +177,24 @@ class Layout:
         dims, lora = self.dims, self.lora
         counts = self.pipeline.layers_per_stage
         return {
-            "strategy": self.strategy, "dp": dims.dp, "tp": dims.tp,
-            "sp": dims.sequence_parallel, "pp": dims.pp, "vpp": dims.vpp, "ep": dims.ep,
-            "zero_stage": self.stage, "precision": self.precision,
-            "micro_batch": self.micro_batch, "seq_len": self.seq_len,
-            "microbatches": self.pipeline.microbatches, "schedule": self.pipeline.schedule,
+            "strategy": self.strategy,
+            "dp": dims.dp,
+            "tp": dims.tp,
+            "sp": dims.sequence_parallel,
+            "pp": dims.pp,
+            "vpp": dims.vpp,
+            "ep": dims.ep,
+            "zero_stage": self.stage,
+            "precision": self.precision,
+            "micro_batch": self.micro_batch,
+            "seq_len": self.seq_len,
+            "microbatches": self.pipeline.microbatches,
+            "schedule": self.pipeline.schedule,
             "layers_per_stage": None if counts is None else list(counts),
             "recompute": self.blocks.activation_checkpointing,
             "every_n_layers": self.blocks.every_n_layers,
             "lora_r": lora.r if lora else 0,
             "lora_targets": list(lora.target_modules) if lora else None,
-            "bucket_size_mb": self.bucket_size_mb, "world_size": self.world_size,
-        }  # fmt: skip
+            "bucket_size_mb": self.bucket_size_mb,
+            "world_size": self.world_size,
+        }

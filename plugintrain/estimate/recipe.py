@@ -150,32 +150,47 @@ def _layout(value: Any, world: int, batch: int, sizes: dict[str, Any]) -> Layout
             return Layout.of("single", micro_batch=batch, **sizes)
         return Layout.of("ddp_bucketed", dp=world, micro_batch=batch, **sizes)
     blocks = strategy.block_options
-    recompute = {
+    sizes = {
         "recompute": blocks.activation_checkpointing,
         "every_n_layers": blocks.every_n_layers,
+        "bucket_size_mb": strategy.bucket_size_mb,
+        **sizes,
     }
     if isinstance(strategy, HybridParallelStrategy):
-        dims = strategy.parallel_dims.with_world_size(world)  # refuses what a launch would
-        options = strategy.pipeline_options
-        if dims.pp > 1 and batch % options.microbatches:
-            raise ValueError(
-                f"data.batch_size={batch} does not split into microbatches="
-                f"{options.microbatches} equal micro-batches; use a multiple of"
-                f" {options.microbatches}"
-            )
-        if options.layers_per_stage == "auto":
-            raise ValueError(
-                "layers_per_stage: auto is measured at launch; give the counts to estimate"
-            )
-        return Layout.of(
-            "hybrid", dp=dims.dp, tp=dims.tp, sp=dims.sequence_parallel, pp=dims.pp,
-            vpp=dims.vpp, ep=dims.ep, zero_stage=dims.zero_stage, schedule=options.schedule,
-            microbatches=options.microbatches, layers_per_stage=options.layers_per_stage,
-            micro_batch=batch // options.microbatches if dims.pp > 1 else batch,
-            bucket_size_mb=strategy.bucket_size_mb, **recompute, **sizes,
-        )  # fmt: skip
+        return _hybrid_layout(strategy, world, batch, sizes)
     if isinstance(strategy, ZeroStrategy) and strategy.engine_stage in (0, 1, 2):
         name = {stage: n for n, stage in ENGINE_STAGE.items()}[strategy.engine_stage]
-        return Layout.of(name, dp=world, micro_batch=batch,
-                         bucket_size_mb=strategy.bucket_size_mb, **recompute, **sizes)  # fmt: skip
+        return Layout.of(name, dp=world, micro_batch=batch, **sizes)
     raise ValueError(f"{type(strategy).__name__} is not modelled by the estimate yet")
+
+
+def _hybrid_layout(strategy: Any, world: int, batch: int, sizes: dict[str, Any]) -> Layout:
+    """A :class:`HybridParallelStrategy`'s layout over ``world`` ranks, ``batch`` rows per
+    dp replica (cut into the pipeline's micro-batches)."""
+    dims = strategy.parallel_dims.with_world_size(world)  # refuses what a launch would
+    options = strategy.pipeline_options
+    if dims.pp > 1 and batch % options.microbatches:
+        raise ValueError(
+            f"data.batch_size={batch} does not split into microbatches="
+            f"{options.microbatches} equal micro-batches; use a multiple of"
+            f" {options.microbatches}"
+        )
+    if options.layers_per_stage == "auto":
+        raise ValueError(
+            "layers_per_stage: auto is measured at launch; give the counts to estimate"
+        )
+    return Layout.of(
+        "hybrid",
+        dp=dims.dp,
+        tp=dims.tp,
+        sp=dims.sequence_parallel,
+        pp=dims.pp,
+        vpp=dims.vpp,
+        ep=dims.ep,
+        zero_stage=dims.zero_stage,
+        schedule=options.schedule,
+        microbatches=options.microbatches,
+        layers_per_stage=options.layers_per_stage,
+        micro_batch=batch // options.microbatches if dims.pp > 1 else batch,
+        **sizes,
+    )

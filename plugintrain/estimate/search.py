@@ -15,8 +15,18 @@ from plugintrain.estimate.state import communication_bytes, training_state
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.strategies.pipeline_stages import PipelineOptions
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -38,12 +48,14 @@ class RankMemory:
     """Gradient or parameter buffers alive only while reducing or gathering."""
 
     @property
+    def training_state(self) -> tuple[int, int, int]:
+        """Parameters, gradients and optimizer state: what persists between steps."""
+        return self.parameters, self.gradients, self.optimizer
+
+    @property
     def total(self) -> int:
         """The peak: everything above at once."""
-        return (
-            self.parameters + self.gradients + self.optimizer + self.activations
-            + self.communication
-        )  # fmt: skip
+        return sum(self.training_state) + self.activations + self.communication
 
 
 @dataclass(frozen=True)
@@ -133,9 +145,12 @@ def candidate_layouts(
 
 
 def fitting_layouts(
-    config: TransformerConfig, gpus: int, memory: int, base: Layout,
+    config: TransformerConfig,
+    gpus: int,
+    memory: int,
+    base: Layout,
     microbatches: int | None = None,
-) -> list[Estimate]:  # fmt: skip
+) -> list[Estimate]:
     """The layouts of up to ``gpus`` devices whose largest rank needs at most ``memory``
     bytes (:func:`candidate_layouts`), fewest devices first, then least memory per device."""
     fits = []

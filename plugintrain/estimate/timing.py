@@ -43,9 +43,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from plugintrain.core.peak_flops import DENSE_PEAK_FLOPS
 from plugintrain.estimate.layout import Layout
-from plugintrain.model_zoo.config import TransformerConfig, _ffn_params
+from plugintrain.model_zoo.config import TransformerConfig
 
 if TYPE_CHECKING:
+    from plugintrain.estimate.dry_run import DryRunReport
     from plugintrain.estimate.search import Estimate
 
 _G = 1e9
@@ -110,7 +111,7 @@ CLUSTERS: dict[str, Cluster] = {
     "h100-roce": Cluster("h100 sxm", 8, LINKS["nvlink4"], LINKS["roce-400"], 3.35e12, 0.75, 0.40),
     "h200-ib": Cluster("h200", 8, LINKS["nvlink4"], LINKS["ib-ndr400"], 4.8e12, 0.75, 0.40),
     "a100-ib": Cluster("a100", 8, LINKS["nvlink3"], LINKS["ib-hdr200"], 2.0e12, 0.85, 0.60),
-}  # fmt: skip
+}
 """Named clusters: DGX-style nodes of 8 GPUs, one NIC per GPU (their names also in
 :data:`plugintrain.estimate.names.CLUSTER_NAMES`, which ``--help`` lists without torch)."""
 
@@ -207,31 +208,26 @@ def formula_costs(
     stages = dims.pp * dims.vpp
     keys = stage_layer_keys(config.n_layer, stages, layout.pipeline.layers_per_stage)
     memory = memory or estimate(config, layout)
-    largest = {}
-    for r in memory.ranks:  # the optimizer step of each stage's busiest rank
-        if r.pp_rank not in largest or r.total > largest[r.pp_rank].total:
-            largest[r.pp_rank] = r
+    # The optimizer step of each stage's busiest rank.
+    largest = {r.pp_rank: r for r in memory.stage_peaks()}
     costs = []
     for pp_rank in range(dims.pp):
         mine = rank_stages(pp_rank, dims.pp, dims.vpp)
         chunks = [_chunk(config, layout, s, [int(k) for k in keys[s]], stages) for s in mine]
         work = [c.matmul + c.attention for c in chunks]
-        m = largest[pp_rank]
-        costs.append(
-            StageCost(
-                pp_rank,
-                matmul_flops=sum(c.matmul for c in chunks),
-                attention_flops=sum(c.attention for c in chunks),
-                collectives=tuple(_merge(
-                    [x for c in chunks for x in c.collectives]
-                    + _dp_collectives(config, layout, mine)
-                )),
-                p2p_bytes=sum(c.sent for c in chunks),
-                p2p_messages=sum(c.messages for c in chunks),
-                state_bytes=m.parameters + m.gradients + m.optimizer,
-                chunk_weights=tuple(w / (sum(work) or 1.0) for w in work),
-            )
-        )  # fmt: skip
+        collectives = [x for c in chunks for x in c.collectives]
+        collectives += _dp_collectives(config, layout, mine)
+        cost = StageCost(
+            pp_rank,
+            matmul_flops=sum(c.matmul for c in chunks),
+            attention_flops=sum(c.attention for c in chunks),
+            collectives=tuple(_merge(collectives)),
+            p2p_bytes=sum(c.sent for c in chunks),
+            p2p_messages=sum(c.messages for c in chunks),
+            state_bytes=sum(largest[pp_rank].training_state),
+            chunk_weights=tuple(w / (sum(work) or 1.0) for w in work),
+        )
+        costs.append(cost)
     return costs
 
 
@@ -258,13 +254,13 @@ def _chunk(
     matmul = attention = 0.0
     moe_blocks = 0
     for index in blocks:
-        weights = config._block_params(index, active=True) - 2 * config._norm_params()
+        block = config.block_flops(index, layout.seq_len)
         # Recomputation stops once backward has what it saved (torch.utils.checkpoint's
         # early stop): the block's last matmul, the FFN's down projection, is not rerun.
-        ffn = _ffn_params(config, index, active=True)
-        down = ffn // (3 if config.mlp == "swiglu" or config.moe is not None else 2)
-        matmul += 2 * tokens / dims.tp * (3 * weights + reruns * (weights - down))
-        attention += _attention_forward(config, layout) / dims.tp * (3 + reruns)
+        rerun = block.matmul - block.down
+        matmul += tokens / dims.tp * (3 * block.matmul + reruns * rerun)
+        causal = tokens * block.attention / 2  # the lower triangle of scores and values
+        attention += causal / dims.tp * (3 + reruns)
         moe_blocks += config.moe is not None and config.moe.is_moe_layer(index)
     if stage == stages - 1:
         matmul += 2 * tokens * config.vocab_size * config.n_embd / dims.tp * 3
@@ -340,15 +336,6 @@ def _tp_counts(
     return {"all_reduce": (2 * blocks + first + last, 2 * blocks + again)}
 
 
-def _attention_forward(config: TransformerConfig, layout: Layout) -> float:
-    """One micro-batch's causal attention forward through one block: scores and weighted
-    values over the lower triangle."""
-    width = 2 * config.head_dim if config.mla is None else (
-        config.mla.qk_head_dim + config.mla.v_head_dim)  # fmt: skip
-    tokens = layout.micro_batch * layout.seq_len
-    return 2 * tokens * layout.seq_len * config.n_head * width / 2
-
-
 def _dp_collectives(
     config: TransformerConfig, layout: Layout, stages: list[int]
 ) -> list[Collective]:
@@ -391,8 +378,10 @@ def _engine_collectives(
     stage, m = layout.stage, microbatches(layout)
     if stage == 3:
         gathered = size * _act_bytes(layout) // _state_dtype_bytes(layout)
-        return [Collective("all_gather", dim, group, 2 * m, 2 * m * gathered),
-                Collective("reduce_scatter", dim, group, m, m * size)]  # fmt: skip
+        return [
+            Collective("all_gather", dim, group, 2 * m, 2 * m * gathered),
+            Collective("reduce_scatter", dim, group, m, m * size),
+        ]
     reduce = "reduce_scatter" if stage == 2 else "all_reduce"
     buckets = max(1, math.ceil(size / (layout.bucket_size_mb * 2**20))) + apart
     out = [Collective(reduce, dim, group, buckets, size)]
@@ -406,37 +395,42 @@ def _merge(collectives: Iterable[Collective]) -> list[Collective]:
     for c in collectives:
         key = (c.op, c.dim, c.group_size)
         old = merged.get(key)
-        merged[key] = c if old is None else dataclasses.replace(
-            old, count=old.count + c.count, bytes=old.bytes + c.bytes)  # fmt: skip
+        if old is not None:
+            c = dataclasses.replace(old, count=old.count + c.count, bytes=old.bytes + c.bytes)
+        merged[key] = c
     return sorted(merged.values(), key=lambda c: (c.dim, c.op))
 
 
 # ---- the costs of a step, from a traced dry run -----------------------------------------------
 
 
-def traced_costs(report: object, config: TransformerConfig, layout: Layout) -> list[StageCost]:
+def traced_costs(
+    report: DryRunReport, config: TransformerConfig, layout: Layout
+) -> list[StageCost]:
     """Each pipeline rank's :class:`StageCost` from a dry run's traced ranks (one per
     stage: the first traced rank of each): its FLOPs (attention's from the traced
     ``bmm``/attention operators, halved: the trace runs the non-causal math path), its
     collectives per mesh dimension and its sends."""
     costs: dict[int, StageCost] = {}
-    for r in report.ranks:  # type: ignore[attr-defined]
+    for r in report.ranks:
         if r.trace is None or r.pp_rank in costs:
             continue
         t = r.trace
         attention = sum(v for k, v in t.flops_by_op.items() if _is_attention(k)) / 2
+        collectives = [
+            Collective(c.op, c.dim, c.group_size, c.count, c.bytes)
+            for c in t.traffic
+            if c.op not in ("send", "recv")
+        ]
         costs[r.pp_rank] = StageCost(
             r.pp_rank,
             matmul_flops=t.flops - 2 * attention,
             attention_flops=attention,
-            collectives=tuple(_merge(
-                Collective(c.op, c.dim, c.group_size, c.count, c.bytes) for c in t.traffic
-                if c.op not in ("send", "recv")
-            )),
+            collectives=tuple(_merge(collectives)),
             p2p_bytes=sum(n for kind, _, n in t.p2p if kind == "send"),
             p2p_messages=sum(kind == "send" for kind, _, _ in t.p2p),
-            state_bytes=r.parameters + r.gradients + r.optimizer,
-        )  # fmt: skip
+            state_bytes=sum(r.training_state),
+        )
     missing = sorted(set(range(layout.dims.pp)) - set(costs))
     if missing:
         raise ValueError(
@@ -457,10 +451,7 @@ def group_link(cluster: Cluster, layout: Layout, dim: str, group_size: int) -> L
     """The link a group of mesh dimension ``dim`` runs over: NVLink when its ranks, ``stride``
     apart in the mesh (order ``pp, dp, tp``; ``ep`` and ``edp`` inside ``dp``), fit in one
     node."""
-    dims = layout.dims
-    stride = {"tp": 1, "dp,tp": 1, "ep": dims.tp, "dp": dims.tp,
-              "edp": dims.tp * dims.ep, "pp": dims.tp * dims.dp}.get(dim, 1)  # fmt: skip
-    span = stride * (group_size - 1) + 1
+    span = _stride(layout, dim) * (group_size - 1) + 1
     return cluster.intra if span <= cluster.gpus_per_node else cluster.inter
 
 
@@ -484,9 +475,11 @@ def _nodes(cluster: Cluster, layout: Layout, c: Collective) -> int:
 
 
 def _stride(layout: Layout, dim: str) -> int:
+    """How far apart in the mesh (order ``pp, dp, tp``; ``ep`` and ``edp`` inside ``dp``)
+    the ranks of a group of mesh dimension ``dim`` are (``tp`` and ``dp,tp``: adjacent)."""
     dims = layout.dims
-    return {"ep": dims.tp, "dp": dims.tp, "edp": dims.tp * dims.ep,
-            "pp": dims.tp * dims.dp}.get(dim, 1)  # fmt: skip
+    strides = {"ep": dims.tp, "dp": dims.tp, "edp": dims.tp * dims.ep, "pp": dims.tp * dims.dp}
+    return strides.get(dim, 1)
 
 
 def predict(
@@ -593,9 +586,12 @@ def _reductions_after_flush(
 
 
 def _stage_times(
-    costs: list[StageCost], compute: list[float], exposed: list[float], p2p: list[float],
+    costs: list[StageCost],
+    compute: list[float],
+    exposed: list[float],
+    p2p: list[float],
     layout: Layout,
-) -> list[tuple[Fraction, Fraction]]:  # fmt: skip
+) -> list[tuple[Fraction, Fraction]]:
     """Each virtual stage's forward and backward time of one micro-batch, in nanoseconds:
     its share of its rank's compute and exposed collectives (a third forward, two thirds
     backward; recomputation adds a forward to the backward) and its sends."""

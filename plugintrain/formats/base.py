@@ -27,6 +27,8 @@ from plugintrain.model_zoo.weight_plans import Plan
 
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 """Buffers some Hugging Face checkpoints hold that are derived, not learned."""
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The floating-point weight types by the names ``--dtype`` and the registry use."""
 
 
 class WeightFormatError(ValueError):

@@ -57,8 +57,11 @@ class CheckpointReader:
             self._dcp = ChunkByChunkReader(path)
             saved = self._dcp.read_metadata().state_dict_metadata
             key = f"state_dict.{PREFIX}"
-            self._shapes = {k[len(key) :]: (tuple(m.size), m.properties.dtype)
-                            for k, m in saved.items() if k.startswith(key)}  # fmt: skip
+            self._shapes = {
+                k[len(key) :]: (tuple(m.size), m.properties.dtype)
+                for k, m in saved.items()
+                if k.startswith(key)
+            }
             self._file = None
         else:
             checkpoint = load_torch_file(path, map_location="cpu", mmap=True)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from plugintrain.checkpoints.files import consecutive_groups, load_torch_file
 from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, family_tokenizer, get_tokenizer
-from plugintrain.formats.base import WeightFormatError
+from plugintrain.formats.base import TORCH_DTYPES, WeightFormatError
 from plugintrain.formats.safetensors_io import DTYPES, write_safetensors
 from plugintrain.formats.tokenizer_files import write_hf_tokenizer
 from plugintrain.model_zoo.families import FAMILIES, by_hf_model_type, family_of
@@ -137,14 +137,14 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise WeightFormatError(f"{path}: not readable JSON ({error}).") from None
 
 
-def write_hf(
-    weights: Any, out: Path, dtype: torch.dtype, max_shard_bytes: int = MAX_SHARD_BYTES
-) -> None:
+def write_hf(weights: Any, out: Path, dtype: str, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """Write ``weights`` (our names) as a Hugging Face model directory ``out`` (which must
-    not exist yet): ``config.json``, safetensors shards of at most ``max_shard_bytes``
-    (with an index when there are several) and the tokenizer files of the tokenizer the
-    model reads (:func:`write_hf_tokenizer`: ``AutoTokenizer`` gives plugintrain's ids).
-    Tensors are built and written one at a time."""
+    not exist yet) in ``dtype`` (``float32``, ``bfloat16`` or ``float16``):
+    ``config.json``, safetensors shards of at most ``max_shard_bytes`` (with an index when
+    there are several) and the tokenizer files of the tokenizer the model reads
+    (:func:`write_hf_tokenizer`: ``AutoTokenizer`` gives plugintrain's ids). Tensors are
+    built and written one at a time."""
+    torch_dtype = TORCH_DTYPES[dtype]
     family = family_of(weights.config)
     spec = weights.tokenizer or family_tokenizer(weights.config.family)
     if spec is not None and spec in TOKENIZER_NAMES:  # a debug model's smaller vocabulary
@@ -166,7 +166,7 @@ def write_hf(
             last[source] = weights.read(source)
         return last[source]
 
-    width = torch.empty((), dtype=dtype).element_size()
+    width = torch.empty((), dtype=torch_dtype).element_size()
     nbytes = {name: math.prod(shape) * width for name, shape in shapes.items()}
     out.mkdir(parents=True)
     shards = consecutive_groups(shapes, nbytes.__getitem__, max_shard_bytes)
@@ -178,14 +178,14 @@ def write_hf(
             else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         )
         with open(out / file, "wb") as stream:
-            write_safetensors(stream, ((n, shapes[n]) for n in names), dtype, read)
+            write_safetensors(stream, ((n, shapes[n]) for n in names), torch_dtype, read)
         weight_map.update(dict.fromkeys(names, file))
     if len(shards) > 1:
         metadata = {"total_size": sum(nbytes.values())}
         _write_json(out / INDEX, {"metadata": metadata, "weight_map": weight_map})
     hf_config = {
         **family.to_hf_config(weights.config),
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": dtype,
     }
     if tokenizer is not None:
         hf_config |= {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}

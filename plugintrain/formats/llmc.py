@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from plugintrain.formats.base import WeightFormatError
+from plugintrain.formats.base import TORCH_DTYPES, WeightFormatError
 from plugintrain.model_zoo import gpt2
 from plugintrain.model_zoo.config import TransformerConfig
 
@@ -84,11 +84,15 @@ class LlmcReader:
             )
         max_t, vocab, layers, heads, channels, padded = (int(x) for x in header[2:8])
         self.stored_dtype = VERSIONS[version]
-        self.config = gpt2.from_hf_config(
-            {"vocab_size": vocab, "n_positions": max_t, "n_layer": layers, "n_head": heads,
-             "n_embd": channels, "tie_word_embeddings": True},
-            path.stem,
-        )  # fmt: skip
+        hf_config = {
+            "vocab_size": vocab,
+            "n_positions": max_t,
+            "n_layer": layers,
+            "n_head": heads,
+            "n_embd": channels,
+            "tie_word_embeddings": True,
+        }
+        self.config = gpt2.from_hf_config(hf_config, path.stem)
         self._tensors = self._map(padded)
 
     def _map(self, padded: int) -> dict[str, Tensor]:
@@ -105,8 +109,8 @@ class LlmcReader:
                 f"{self.path}: truncated: {size} bytes, but its header describes {needed};"
                 " copy or export the file again."
             )
-        raw = np.memmap(self.path, dtype=np.uint16 if width == 2 else np.float32, mode="r",
-                        offset=HEADER_INTS * 4)  # fmt: skip
+        stored = np.uint16 if width == 2 else np.float32
+        raw = np.memmap(self.path, dtype=stored, mode="r", offset=HEADER_INTS * 4)
         with warnings.catch_warnings():  # a read-only map: torch warns, and never writes it
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.from_numpy(raw)
@@ -148,20 +152,22 @@ class LlmcReader:
         return self._tensors[name].clone()
 
 
-def write_llmc(weights: Any, out: Path, dtype: torch.dtype) -> None:
-    """Write ``weights`` (our names; a GPT-2 with a tied head) as an llm.c model file.
+def write_llmc(weights: Any, out: Path, dtype: str) -> None:
+    """Write ``weights`` (our names; a GPT-2 with a tied head) as an llm.c model file in
+    ``dtype`` (``float32`` or ``bfloat16``).
 
     Raises:
         WeightFormatError: For a model llm.c cannot run (not GPT-2, untied head, FFN width
             other than 4C) or a dtype other than fp32/bf16.
     """
     config = weights.config
-    version = {v: k for k, v in VERSIONS.items()}.get(dtype)
+    torch_dtype = TORCH_DTYPES.get(dtype)
+    version = {v: k for k, v in VERSIONS.items()}.get(torch_dtype)
     problems = {
-        "family": config.family if config.family != "gpt2" else None,
+        "family": config.family if config.family != gpt2.SPEC.name else None,
         "tie_embeddings": None if config.tie_embeddings else False,
         "intermediate_size": config.ffn_dim if config.ffn_dim != 4 * config.n_embd else None,
-        "dtype": None if version else str(dtype),
+        "dtype": None if version else dtype,
     }
     bad = {k: v for k, v in problems.items() if v is not None}
     if bad:
@@ -173,7 +179,7 @@ def write_llmc(weights: Any, out: Path, dtype: torch.dtype) -> None:
 
     def read(name: str) -> Tensor:
         rule = plan[name]
-        return rule.build(*(weights.read(s) for s in rule.sources)).to(dtype)
+        return rule.build(*(weights.read(s) for s in rule.sources)).to(torch_dtype)
 
     with open(out, "wb") as stream:
         _write_header(stream, config, version)
@@ -182,8 +188,8 @@ def write_llmc(weights: Any, out: Path, dtype: torch.dtype) -> None:
 
 def _write_header(stream: IO[bytes], config: TransformerConfig, version: int) -> None:
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:8] = (MAGIC, version, config.block_size, config.vocab_size, config.n_layer,
-                  config.n_head, config.n_embd, _padded(config.vocab_size))  # fmt: skip
+    shape = (config.block_size, config.vocab_size, config.n_layer, config.n_head, config.n_embd)
+    header[:8] = (MAGIC, version, *shape, _padded(config.vocab_size))
     stream.write(header.tobytes())
 
 

@@ -53,11 +53,11 @@ def _row_map(build: Callable[..., Tensor], outs: list[int], transposed_out: bool
         ValueError: If ``build`` mixes columns (not a row selection of its inputs).
     """
     offsets = [0, *itertools.accumulate(outs)]
+    columns = torch.arange(_PROBE_IN, dtype=torch.float64)
     probes = [
-        (torch.arange(offsets[k], offsets[k] + n, dtype=torch.float64)[:, None] * _PROBE_IN
-         + torch.arange(_PROBE_IN, dtype=torch.float64))
+        torch.arange(offsets[k], offsets[k] + n, dtype=torch.float64)[:, None] * _PROBE_IN + columns
         for k, n in enumerate(outs)
-    ]  # fmt: skip
+    ]
     built = build(*probes)
     built = built.t() if transposed_out else built
     if (
@@ -75,8 +75,8 @@ def _module(weight_name: str) -> str:
 
 def _conv1d_family(config: TransformerConfig) -> bool:
     """Whether the family's Hugging Face model keeps its projections as ``Conv1D``
-    (``(in, out)`` weights, PEFT's ``fan_in_fan_out``): GPT-2."""
-    return config.family == "gpt2"
+    (``(in, out)`` weights, PEFT's ``fan_in_fan_out``)."""
+    return bool(family_of(config).hf_conv1d)
 
 
 def peft_tensors(
@@ -307,9 +307,11 @@ def read_peft(path: str | Path, config: TransformerConfig) -> tuple[LoRASpec, di
     scaling = scalings.pop()
     targets = tuple(sorted(f"model.{m}" for m in adapters))
     spec = LoRASpec(
-        r=rank, alpha=scaling * rank, dropout=float(peft.get("lora_dropout", 0.0)),
+        r=rank,
+        alpha=scaling * rank,
+        dropout=float(peft.get("lora_dropout", 0.0)),
         target_modules=targets,
-    )  # fmt: skip
+    )
     return spec, tensors
 
 
@@ -323,7 +325,7 @@ def export_peft(checkpoint: str | Path, out: Path, overwrite: bool = False) -> d
             or adapters PEFT cannot hold.
     """
     from plugintrain.core.atomic_files import PARTIAL_SUFFIX, fsync_tree, publish, remove, sibling
-    from plugintrain.formats.convert import check_output
+    from plugintrain.formats.conversion import check_output
     from plugintrain.formats.lora_checkpoints import read_lora_run
 
     check_output(out, overwrite)

@@ -10,16 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from plugintrain.data.assets import PRETRAINED_MODELS, resolve_model_path
-from plugintrain.data.tokenizers.gguf_metadata import is_gguf
-from plugintrain.formats import checkpoint, gguf_file, hf, llmc
 from plugintrain.formats.base import TensorReader, WeightFormatError, Weights, model_shapes
 from plugintrain.formats.lora_checkpoints import MergedAdapterReader, check_named_base
+from plugintrain.formats.registry import FORMATS, detect, weight_formats
+from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.lora import is_adapter_name
 from plugintrain.model_zoo.weight_plans import renamed
 
 
 def detect_format(path: Path) -> str:
-    """``checkpoint``, ``hf``, ``llmc`` or ``gguf``, from what is at ``path``.
+    """The registered whole-model format (:func:`~plugintrain.formats.registry.
+    weight_formats`: ``hf``, ``checkpoint``, ``gguf``, ``llmc``, ...) of what is at ``path``.
 
     Raises:
         WeightFormatError: If ``path`` is none of them.
@@ -30,19 +31,33 @@ def detect_format(path: Path) -> str:
             f"{path}: no such file or directory; pass the path of a model (a Hugging Face"
             f" directory, .bin, .gguf or checkpoint) or one of {list(PRETRAINED_MODELS)}."
         )
-    for name, test in (
-        ("hf", hf.is_hf_dir),
-        ("checkpoint", checkpoint.is_checkpoint),
-        ("gguf", is_gguf),
-        ("llmc", llmc.is_llmc_file),
-    ):
-        if test(path):
-            return name
-    raise WeightFormatError(
-        f"{path}: not a weight file plugintrain reads; pass a Hugging Face model directory"
-        " (config.json + safetensors), an llm.c model .bin, a .gguf file, a .ckpt or a"
-        " checkpoint directory written by `plugintrain fit`."
-    )
+    found = detect(path)
+    if found is None:
+        kinds = "; ".join(FORMATS[name].what for name in weight_formats())
+        raise WeightFormatError(
+            f"{path}: not a weight file plugintrain reads; pass one of: {kinds}."
+        )
+    return found
+
+
+def detect_adapters(path: Path) -> str | None:
+    """The registered format holding a LoRA run's adapters alone (``peft``) that ``path``
+    is; None if it is none of them (a LoRA run's checkpoint holds its adapters too)."""
+    return detect(path, adapters=True)
+
+
+def read_adapters(path: str | Path, config: TransformerConfig) -> tuple[Any, dict[str, Any]]:
+    """The LoRA spec and adapter tensors (``layers.0.attention.wq.lora_A`` -> tensor) of
+    the adapter at ``path``, in any registered adapter format, for a model of ``config``.
+
+    Raises:
+        WeightFormatError: If ``path`` is no adapter plugintrain reads, or not this model's.
+    """
+    kind = detect_adapters(Path(path))
+    if kind is None:
+        kinds = "; ".join(s.what for s in FORMATS.values() if s.read_adapters is not None)
+        raise WeightFormatError(f"{path}: not a LoRA adapter plugintrain reads; pass {kinds}.")
+    return FORMATS[kind].adapter_reader()(path, config)
 
 
 def open_pretrained(source: str) -> Weights:
@@ -64,15 +79,15 @@ def open_weights(spec: str | Path) -> Weights:
     """
 
     path = resolve(spec)
-    kind = detect_format(path)
-    if kind == "checkpoint":
-        reader = checkpoint.CheckpointReader(path)
-        if reader.lora is not None:
-            return _merged_adapters(reader)
-        held = set(reader.names())
-        names = {n: n if n in held else _tied_alias(n) for n in model_shapes(reader.config)}
-        return Weights(reader, renamed(names))
-    return Weights(_foreign_reader(kind, path.resolve(), path.stat().st_mtime_ns))
+    kind = FORMATS[detect_format(path)]
+    if not kind.own_names:
+        return Weights(_foreign_reader(kind.name, path.resolve(), path.stat().st_mtime_ns))
+    reader = kind.reader()(path)
+    if reader.lora is not None:
+        return _merged_adapters(reader)
+    held = set(reader.names())
+    names = {n: n if n in held else _tied_alias(n) for n in model_shapes(reader.config)}
+    return Weights(reader, renamed(names))
 
 
 def _merged_adapters(adapters: Any) -> Weights:
@@ -97,8 +112,7 @@ def _foreign_reader(kind: str, path: Path, mtime_ns: int) -> TensorReader:
     """One reader per file version and process: a model is opened for its config, then for
     its weights, and a reader's memory maps and parsed header serve both."""
 
-    readers = {"hf": hf.HFReader, "gguf": gguf_file.GGUFFileReader, "llmc": llmc.LlmcReader}
-    return readers[kind](path)
+    return FORMATS[kind].reader()(path)
 
 
 def resolve(spec: str | Path) -> Path:

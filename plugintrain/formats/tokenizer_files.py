@@ -1,11 +1,11 @@
-"""Tokenizers as the files other tools read them from: a Hugging Face directory's
+"""Tokenizers as the files ``transformers`` reads them from: a Hugging Face directory's
 ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``
-(``AutoTokenizer``, ``pipeline``), and a GGUF file's ``tokenizer.*`` keys as llama.cpp's
-own converter writes them (``convert_hf_to_gguf.py``).
+(``AutoTokenizer``, ``pipeline``).
 
 Every tokenizer plugintrain has is covered: the tiktoken vocabularies (GPT-2's, Llama
 3's) rebuilt as a `tokenizers` BPE that gives tiktoken's ids, and the Hugging Face
-tokenizers plugintrain reads (a ``tokenizer.json``, a GGUF's vocabulary) as they are.
+tokenizers plugintrain reads (a ``tokenizer.json``, a GGUF's vocabulary) as they are. A
+GGUF file's ``tokenizer.*`` keys are :mod:`plugintrain.formats.gguf.tokenizer_keys`'.
 """
 
 from __future__ import annotations
@@ -14,31 +14,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from plugintrain.data.tokenizers.chat_templates import ChatTemplateError, load_chat_template
 from plugintrain.data.tokenizers.hf_tokenizer import byte_alphabet
 from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, Tokenizer
-from plugintrain.data.tokenizers.split_patterns import GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN
-
-GGUF_PRE = {"gpt2": "gpt-2", "llama3": "llama-bpe"}
-"""Our tiktoken tokenizer -> the ``tokenizer.ggml.pre`` llama.cpp's converter writes for
-it (llama.cpp knows ``gpt-2``, not ``gpt2``; src/llama-vocab.cpp)."""
-
-_PRE_OF_SPLITS = {
-    (GPT2_PATTERN,): "gpt-2",
-    (r"\p{N}", GPT2_PATTERN): "smollm",
-    (LLAMA3_PATTERN,): "llama-bpe",
-    (QWEN2_PATTERN,): "qwen2",
-}
-"""The split regexes of a ``tokenizer.json`` -> llama.cpp's name for them."""
-
-_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4  # gguf.TokenType
 
 
-def _spelled(piece: bytes, spell: dict[int, str]) -> str:
+def spelled(piece: bytes, spell: dict[int, str]) -> str:
+    """``piece`` spelled in a byte alphabet (``spell``: byte -> character)."""
     return "".join(spell[b] for b in piece)
 
 
@@ -63,8 +48,8 @@ def tiktoken_backend(tokenizer: Tokenizer) -> Backend:
     encoding = tokenizer.encoding
     ranks = encoding._mergeable_ranks  # tiktoken keeps them only there
     spell = {b: c for c, b in byte_alphabet().items()}
-    vocab = {_spelled(piece, spell): rank for piece, rank in ranks.items()}
-    merges = [(_spelled(a, spell), _spelled(b, spell)) for a, b in tiktoken_merges(ranks)]
+    vocab = {spelled(piece, spell): rank for piece, rank in ranks.items()}
+    merges = [(spelled(a, spell), spelled(b, spell)) for a, b in tiktoken_merges(ranks)]
     backend = Backend(models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
     split = pre_tokenizers.Split(Regex(encoding._pat_str), behavior="isolated", invert=False)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -114,9 +99,10 @@ def write_hf_tokenizer(spec: str, tokenizer: Any, out: Path, max_length: int) ->
         if spec not in TOKENIZER_NAMES and tokenizer.add_bos:
             bos = tokenizer.decode([tokenizer.bos_id])
             backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                single=f"{bos} $A",
+                pair=f"{bos} $A {bos} $B",
                 special_tokens=[(bos, tokenizer.bos_id)],
-            )  # fmt: skip
+            )
         backend.save(str(out / "tokenizer.json"))
         bos, eos = (tokenizer.decode([i]) for i in (tokenizer.bos_id, tokenizer.eos_id))
         config = {
@@ -137,91 +123,6 @@ def write_hf_tokenizer(spec: str, tokenizer: Any, out: Path, max_length: int) ->
         if folder is not None and (folder / "generation_config.json").is_file():
             generation = json.loads((folder / "generation_config.json").read_text())
         _write_json(out / "generation_config.json", generation)
-
-
-def tiktoken_gguf_vocabulary(tokenizer: Tokenizer) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` fields that make llama.cpp tokenize as a tiktoken
-    ``tokenizer``: tokens spelled in GPT-2's byte alphabet, merges ranked as tiktoken
-    ranks, the pre-tokenizer name llama.cpp's converter writes, BOS/EOS and whether BOS
-    leads a text."""
-    ranks = tokenizer.encoding._mergeable_ranks
-    spell = {b: c for c, b in byte_alphabet().items()}
-    by_id = {i: piece for piece, i in ranks.items()}
-    specials = {i: t for t, i in tokenizer.special_tokens.items()}
-    tokens = [specials.get(i) or _spelled(by_id[i], spell) for i in range(tokenizer.vocab_size)]
-    merges = [f"{_spelled(a, spell)} {_spelled(b, spell)}" for a, b in tiktoken_merges(ranks)]
-    types = [_CONTROL if i in specials else _NORMAL for i in range(len(tokens))]
-    return _gguf_fields(tokens, types, merges, GGUF_PRE[tokenizer.name], tokenizer)
-
-
-def hf_gguf_vocabulary(tokenizer: Any, spec: str) -> dict[str, Any]:
-    """The ``tokenizer.ggml.*`` fields of a byte-level BPE ``tokenizer.json`` (a Hugging
-    Face directory's), as llama.cpp's converter writes them: its vocabulary, merges and
-    added tokens (special ones as control tokens), the name llama.cpp gives its split
-    regexes, BOS/EOS, add-BOS and its chat template.
-
-    Raises:
-        ValueError: If the tokenizer is not byte-level BPE, or splits text in a way
-            llama.cpp has no name for (llama.cpp would tokenize it otherwise).
-    """
-    data = json.loads(tokenizer.backend.to_str())
-    model = data.get("model") or {}
-    splits = tuple(_split_patterns(data.get("pre_tokenizer") or {}))
-    pre = _PRE_OF_SPLITS.get(splits)
-    if model.get("type") != "BPE" or not tokenizer.byte_level or pre is None:
-        raise ValueError(
-            f"the tokenizer of {spec} ({model.get('type')}, splits {list(splits)}) is not"
-            " one llama.cpp names (byte-level BPE split as GPT-2, SmolLM, Llama 3 or Qwen2"
-            " split): llama.cpp would tokenize differently; export with --format hf instead"
-        )
-    added = {t["id"]: t for t in data.get("added_tokens", [])}
-    size = max([*model["vocab"].values(), *added]) + 1
-    tokens = [""] * size
-    for token, i in model["vocab"].items():
-        tokens[i] = token
-    types = [_NORMAL] * size
-    for i, token in added.items():
-        tokens[i] = token["content"]
-        types[i] = _CONTROL if token.get("special") else _USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    fields = _gguf_fields(tokens, types, merges, pre, tokenizer)
-    template = chat_template_of(spec)
-    if template is not None:
-        fields["tokenizer.chat_template"] = template
-    return fields
-
-
-def _split_patterns(pre: dict[str, Any]) -> list[str]:
-    """The regexes a ``tokenizer.json`` pre-tokenizer splits with, in order (a
-    ``ByteLevel`` step with its own regex counts as GPT-2's; ``Digits`` as ``\\p{N}``)."""
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    found = []
-    for step in steps:
-        kind = step.get("type")
-        if kind == "Split":
-            pattern = step.get("pattern") or {}
-            found.append(pattern.get("Regex") or pattern.get("String"))
-        elif kind == "Digits" and step.get("individual_digits"):
-            found.append(r"\p{N}")
-        elif kind == "ByteLevel" and step.get("use_regex", True):
-            found.append(GPT2_PATTERN)
-    return found
-
-
-def _gguf_fields(
-    tokens: list[str], types: list[int], merges: list[str], pre: str, tokenizer: Any
-) -> dict[str, Any]:
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": np.array(types, dtype="<i4"),
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": int(tokenizer.bos_id),
-        "tokenizer.ggml.eos_token_id": int(tokenizer.eos_id),
-        "tokenizer.ggml.add_bos_token": bool(tokenizer.add_bos),
-        "tokenizer.ggml.add_eos_token": False,
-    }
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

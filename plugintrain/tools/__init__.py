@@ -1,99 +1,104 @@
-"""Subcommands that run beside LightningCLI's ``fit/validate/test/predict``.
+"""The commands that run beside LightningCLI's ``fit/validate/test/predict``.
 
-Each tool is a function ``(argv) -> exit code`` registered in :data:`TOOLS`; the
-``plugintrain`` entry point dispatches to it by its first argument.
+:data:`COMMANDS` is the one list of them: the ``plugintrain`` entry point dispatches by it,
+``plugintrain --help`` lists it, and the tests and the documentation's CLI reference read
+it. Each entry names a typed function (or a group of them, ``prepare``) whose parser
+jsonargparse builds from its signature and docstring (:mod:`plugintrain.tools._command`);
+nothing is imported until the command runs.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+from plugintrain.tools._command import CommandSpec, run, summary
 
-from plugintrain.tools.bench import main as bench_main
-from plugintrain.tools.chat import main as chat_main
-from plugintrain.tools.compare import main as compare_main
-from plugintrain.tools.convert import convert_main, export_main
-from plugintrain.tools.estimate import main as estimate_main
-from plugintrain.tools.evaluate import main as evaluate_main
-from plugintrain.tools.generate import main as generate_main
-from plugintrain.tools.prepare import main as prepare_main
-from plugintrain.tools.recipes import main as recipes_main
-from plugintrain.tools.schedule import main as schedule_main
+__all__ = ["COMMANDS", "CommandSpec", "overview", "run_command"]
 
-
-def gpu_check_main(argv: Sequence[str]) -> int:
-    """``plugintrain gpu-check``; its module is imported only here, so that ``python -m
-    plugintrain.tools.gpu_check`` (``make gpu-check``) runs it as ``__main__`` cleanly."""
-    from plugintrain.tools.gpu_check import main
-
-    return main(argv)
-
-
-def lm_eval_main(argv: Sequence[str]) -> int:
-    """``plugintrain lm-eval``: lm-evaluation-harness's command line with plugintrain's
-    model type registered (lm_eval is imported only here: an optional dependency)."""
-    try:
-        from plugintrain.tools.lm_eval_model import lm_eval_main as run
-    except ImportError as error:
-        print(f"plugintrain lm-eval: {error}; pip install lm_eval==0.4.13", file=sys.stderr)
-        return 2
-    return run(argv)
-
-
-TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
-    "prepare": prepare_main,
-    "generate": generate_main,
-    "chat": chat_main,
-    "evaluate": evaluate_main,
-    "compare": compare_main,
-    "schedule": schedule_main,
-    "export": export_main,
-    "convert": convert_main,
-    "estimate": estimate_main,
-    "bench": bench_main,
-    "recipes": recipes_main,
-    "gpu-check": gpu_check_main,
-    "lm-eval": lm_eval_main,
+COMMANDS: dict[str, CommandSpec] = {
+    "recipes": CommandSpec(
+        "plugintrain.tools.recipes:recipes",
+        ("plugintrain recipes gpt2_debug_shakespeare_cpu > my.yaml",),
+    ),
+    "prepare": CommandSpec(
+        "plugintrain.tools.prepare:PREPARE",
+        ("plugintrain prepare shakespeare --tokenizer gpt2",),
+    ),
+    "generate": CommandSpec(
+        "plugintrain.tools.generate:generate",
+        (
+            "plugintrain generate --ckpt_path smollm2-135m --prompt 'The capital of France is'",
+            "(or answer each conversation of a file: --chat conversations.jsonl)",
+        ),
+    ),
+    "chat": CommandSpec(
+        "plugintrain.tools.chat:chat",
+        ("plugintrain chat --weights smollm2-135m",),
+    ),
+    "evaluate": CommandSpec(
+        "plugintrain.tools.evaluate:evaluate_command",
+        (
+            "plugintrain evaluate --weights last.ckpt --data data/shakespeare_gpt2",
+            "(or lm-evaluation-harness tasks: --tasks hellaswag,gsm8k)",
+        ),
+    ),
+    "lm-eval": CommandSpec(
+        "plugintrain.tools.lm_eval_cli:lm_eval",
+        ("plugintrain lm-eval run --model plugintrain --model_args weights=W --tasks T",),
+        passthrough=True,
+    ),
+    "export": CommandSpec(
+        "plugintrain.tools.convert:export",
+        ("plugintrain export last.ckpt out_dir --format hf (or peft)",),
+    ),
+    "convert": CommandSpec(
+        "plugintrain.tools.convert:convert",
+        ("plugintrain convert model.gguf out_dir --format hf",),
+    ),
+    "compare": CommandSpec(
+        "plugintrain.tools.compare:compare",
+        ("plugintrain compare RUN_A RUN_B --dtype bf16",),
+    ),
+    "schedule": CommandSpec(
+        "plugintrain.tools.schedule:schedule",
+        ("plugintrain schedule --pp 4 --vpp 2 --microbatches 8",),
+    ),
+    "estimate": CommandSpec(
+        "plugintrain.tools.estimate:estimate",
+        (
+            "plugintrain estimate llama3.1-8b --dp 8 --zero_stage 2 (or --fit 80GiB --gpus 64)",
+            "and every rank of a recipe's layout built on the real code path, on this machine:",
+            "plugintrain estimate --config recipes/scale/llama3_405b_1024gpu.yaml --dry_run",
+        ),
+    ),
+    "bench": CommandSpec(
+        "plugintrain.tools.bench:bench", ("plugintrain bench --matrix benchmarks/cpu.yaml",)
+    ),
+    "gpu-check": CommandSpec("plugintrain.tools.gpu_check:gpu_check", ("make gpu-check",)),
 }
+"""Every command beside training, by name, in the order ``plugintrain --help`` lists them."""
 
-_OVERVIEW = """\
-usage: plugintrain <command> [options]
-
-Training (LightningCLI; `plugintrain fit --help` lists every option):
-  fit        train a model:           plugintrain fit --config <recipe>  (a name or a .yaml file)
-  validate   run the validation loop
-  test       run the test loop
-  predict    run prediction
-
-Tools:
-  recipes    list the recipes shipped with plugintrain, or print one to copy and edit:
-               plugintrain recipes gpt2_debug_shakespeare_cpu > my.yaml
-  prepare    build real datasets offline: plugintrain prepare shakespeare --tokenizer gpt2
-  generate   sample text from a checkpoint or pretrained weights:
-               plugintrain generate --ckpt_path smollm2-135m --prompt 'The capital of France is'
-               (or answer each conversation of a file: --chat conversations.jsonl)
-  chat       talk to a model in its chat template: plugintrain chat --weights smollm2-135m
-  evaluate   loss, perplexity, bits per byte, or a chat model's answers on held-out data:
-               plugintrain evaluate --weights last.ckpt --data data/shakespeare_gpt2
-               (or lm-evaluation-harness tasks: --tasks hellaswag,gsm8k)
-  lm-eval    lm-evaluation-harness's own command line, with --model plugintrain:
-               plugintrain lm-eval run --model plugintrain --model_args weights=W --tasks T
-  export     a checkpoint for transformers, llm.c or llama.cpp, or its LoRA adapters for peft:
-               plugintrain export last.ckpt out_dir --format hf (or peft)
-  convert    weights between formats: plugintrain convert model.gguf out_dir --format hf
-  compare    diff two runs' losses/module stats: plugintrain compare RUN_A RUN_B --dtype bf16
-  schedule   simulate a pipeline schedule: plugintrain schedule --pp 4 --vpp 2 --microbatches 8
-  estimate   per-rank memory of a layout, or the layouts that fit:
-               plugintrain estimate llama3.1-8b --dp 8 --zero_stage 2 (or --fit 80GiB --gpus 64)
-             and every rank of a recipe's layout built on the real code path, on this machine:
-               plugintrain estimate --config recipes/scale/llama3_405b_1024gpu.yaml --dry_run
-  bench      benchmark a matrix of runs: plugintrain bench --matrix benchmarks/cpu.yaml
-  gpu-check  the CUDA path against the CPU on one GPU, with tokens/s and MFU (make gpu-check)
-
-Run `plugintrain <command> --help` for the options of one command.
-"""
+_TRAINING = (
+    ("fit", "train a model", "plugintrain fit --config <recipe>  (a name or a .yaml file)"),
+    ("validate", "run the validation loop", ""),
+    ("test", "run the test loop", ""),
+    ("predict", "run prediction", ""),
+)
 
 
-def print_overview() -> None:
-    """Print the list of commands (the top-level ``--help``)."""
-    print(_OVERVIEW, end="")
+def run_command(name: str, argv: list[str]) -> int:
+    """Run ``plugintrain NAME ARGV``; its exit status (2 after a one-line refusal)."""
+    return run(name, COMMANDS[name], argv)
+
+
+def overview() -> str:
+    """The top-level ``plugintrain --help``: every command with its summary and examples."""
+    width = max(map(len, [*COMMANDS, *(name for name, _, _ in _TRAINING)]))
+    lines = ["usage: plugintrain <command> [options]", ""]
+    lines.append("Training (LightningCLI; `plugintrain fit --help` lists every option):")
+    for name, what, example in _TRAINING:
+        lines.append(f"  {name:<{width}}  {what}" + (f": {example}" if example else ""))
+    lines += ["", "Tools:"]
+    for name, spec in COMMANDS.items():
+        lines.append(f"  {name:<{width}}  {summary(spec.load())}")
+        lines += [f"  {'':<{width}}    {example}" for example in spec.examples]
+    lines += ["", "Run `plugintrain <command> --help` for the options of one command."]
+    return "\n".join(lines) + "\n"

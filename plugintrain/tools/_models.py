@@ -145,8 +145,9 @@ def load_with_peft_adapter(weights: str | None, adapter: str, merge: bool) -> Pr
     import torch
 
     from plugintrain.data.assets import PRETRAINED_MODELS
+    from plugintrain.formats import read_adapters
     from plugintrain.formats.checkpoint import PREFIX
-    from plugintrain.formats.peft_adapters import read_peft, read_peft_config
+    from plugintrain.formats.peft_adapters import read_peft_config
     from plugintrain.model_zoo import lora
 
     named = read_peft_config(adapter).get("base_model_name_or_path")
@@ -159,7 +160,7 @@ def load_with_peft_adapter(weights: str | None, adapter: str, merge: bool) -> Pr
             " checkpoint or pretrained name)"
         )
     module = load_causal_lm(base)
-    spec, tensors = read_peft(adapter, module.config)
+    spec, tensors = read_adapters(adapter, module.config)
     lora.inject(module, spec)
     params = dict(module.named_parameters())
     with torch.no_grad():
@@ -183,9 +184,9 @@ def load_model(weights: str | None, adapter: str | None, merge: bool = False) ->
     Raises:
         FileNotFoundError, ValueError: A one-line message naming the file and the fix.
     """
-    from plugintrain.formats.peft_adapters import is_peft_dir
+    from plugintrain.formats import detect_adapters
 
-    if adapter is not None and is_peft_dir(adapter):
+    if adapter is not None and detect_adapters(Path(adapter)) is not None:
         return load_with_peft_adapter(newest_in(weights), adapter, merge).eval()
     weights, adapter = newest_in(weights), newest_in(adapter)
     if adapter is None:

@@ -22,51 +22,38 @@ import os
 import platform
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from plugintrain.tools._args import ToolParser
+from plugintrain.cli_messages import ConfigError
 
 
-def _parser() -> ToolParser:
-    parser = ToolParser(
-        prog="plugintrain bench",
-        description="Run a benchmark matrix (YAML) and write JSON, Markdown and PNG results.",
-    )
-    parser.add_argument("--matrix", required=True, help="matrix file, e.g. benchmarks/cpu.yaml")
-    parser.add_argument(
-        "--out", default=None, help="new output directory (default runs/bench/<matrix>-<time>)"
-    )
-    parser.add_argument(
-        "--only", nargs="+", default=None, metavar="TEXT",
-        help="run only configurations whose name contains one of these (baseline kept)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--list", action="store_true", help="print the configurations and commands, run nothing"
-    )
-    return parser
+def bench(
+    *, matrix: str, out: str | None = None, only: list[str] | None = None, list: bool = False
+) -> int:
+    """Run a benchmark matrix (YAML) and write JSON, Markdown and PNG results.
 
+    Exit status: 0 when every configuration ran, 1 when some failed, 2 on bad input.
 
-def main(argv: Sequence[str]) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    Args:
+        matrix: matrix file, e.g. benchmarks/cpu.yaml
+        out: new output directory (default runs/bench/<matrix>-<time>)
+        only: run only configurations whose name contains one of these (baseline kept)
+        list: print the configurations and commands, run nothing
+    """
     from plugintrain.bench.matrix import MatrixError, load_matrix
 
     try:
-        configs = load_matrix(args.matrix)
-        configs = _select(configs, args.only)
-        out = _output_dir(args.matrix, args.out)
+        configs = _select(load_matrix(matrix), only)
+        folder = _output_dir(matrix, out)
     except MatrixError as error:
-        print(f"plugintrain bench: error: {error}", file=sys.stderr)
-        return 2
-    if args.list:
+        raise ConfigError(str(error)) from None
+    if list:
         for index, config in enumerate(configs):
-            print(f"{index:>2} {config.name}\n   {config.shell(_row_dir(out, index, config))}")
+            print(f"{index:>2} {config.name}\n   {config.shell(_row_dir(folder, index, config))}")
         return 0
-    records = _run_matrix(configs, out)
+    records = _run_matrix(configs, folder)
     return 0 if all(r["status"] == "ok" for r in records) else 1
 
 
@@ -175,9 +162,12 @@ def _launch(config: Any, command: list[str], row_dir: Path) -> str | None:
     """
     with (row_dir / "output.log").open("w") as log:
         proc = subprocess.Popen(
-            command, env=_clean_env(), stdout=log, stderr=subprocess.STDOUT,
+            command,
+            env=_clean_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         try:
             code = proc.wait(timeout=config.timeout)
         except subprocess.TimeoutExpired:
@@ -193,12 +183,20 @@ def _launch(config: Any, command: list[str], row_dir: Path) -> str | None:
 def _clean_env() -> dict[str, str]:
     """This environment without a launcher's or scheduler's rank variables: inside a SLURM
     job or a torchrun worker, Lightning would join that job instead of launching the row."""
-    inherited = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+    inherited = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if k not in inherited and not k.startswith(("SLURM_", "TORCHELASTIC_"))
-    }  # fmt: skip
+    }
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 

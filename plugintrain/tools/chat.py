@@ -16,11 +16,11 @@ import contextlib
 import math
 import sys
 from argparse import Namespace
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from plugintrain.tools._args import ToolParser
+from plugintrain.cli_messages import ConfigError
+from plugintrain.tools._command import shared_help
 from plugintrain.tools._models import (
     DEVICE_HELP,
     MERGED_ADAPTER_HELP,
@@ -37,36 +37,6 @@ if TYPE_CHECKING:
     from plugintrain.model_zoo.generation import PretrainedLM
 
 COMMANDS = {"/reset": "start the conversation over", "/exit": "end the chat"}
-
-
-def _parser() -> ToolParser:
-    parser = ToolParser(
-        prog="plugintrain chat",
-        description="Talk to a model: each line is a message, the reply streams back."
-        " /reset starts over, /exit (or Ctrl-D) ends the chat.",
-    )
-    parser.add_argument("--weights", default=None, help=WEIGHTS_HELP)
-    parser.add_argument("--adapter", default=None, help=MERGED_ADAPTER_HELP)
-    parser.add_argument(
-        "--template",
-        default=None,
-        help="a .jinja chat template, or plain (default: the one that came with the"
-        " model's tokenizer)",
-    )
-    parser.add_argument("--system", default=None, help="a system prompt, kept all along")
-    parser.add_argument(
-        "--max_new_tokens",
-        type=int,
-        default=None,
-        help="most tokens a reply (default: 256, at most a quarter of the model's block_size)",
-    )
-    parser.add_argument(
-        "--temperature", type=float, default=0.7, help="0 picks the most likely token (greedy)"
-    )
-    parser.add_argument("--top_k", type=int, default=50, help="sample among the k most likely")
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default=None, help=DEVICE_HELP)
-    return parser
 
 
 def _argument_problem(args: Namespace) -> str | None:
@@ -242,7 +212,7 @@ def _note(text: str) -> None:
     print(f"({text})", file=sys.stderr)
 
 
-def _start(args: Namespace, parser: ToolParser) -> tuple[Chat, Conversation]:
+def _start(args: Namespace) -> tuple[Chat, Conversation]:
     """The chat with the model on its device and an empty conversation; a bad option ends
     the command with one line."""
     from plugintrain.data import get_tokenizer
@@ -255,38 +225,66 @@ def _start(args: Namespace, parser: ToolParser) -> tuple[Chat, Conversation]:
         tokenizer = get_tokenizer(spec)
         encoder = ChatEncoder(tokenizer, load_chat_template(spec, args.template))
     except (FileNotFoundError, ValueError) as error:  # incl. a template that does not render
-        parser.error(str(error))
+        raise ConfigError(str(error)) from None
     args.max_new_tokens = args.max_new_tokens or min(256, module.max_seq_len // 4)
     budget = module.max_seq_len - args.max_new_tokens
     if budget < 1:
-        parser.error(
+        raise ConfigError(
             f"--max_new_tokens {args.max_new_tokens} leaves no room for the conversation in"
             f" the model's block_size={module.max_seq_len}; pass --max_new_tokens"
             f" {module.max_seq_len // 4}"
         )
     conversation = Conversation(encoder, args.system, budget)
     if args.system is not None and len(encoder.encode_prompt(conversation.messages)) >= budget:
-        parser.error(
+        raise ConfigError(
             f"--system fills the {budget} prompt tokens the model has room for with"
             f" --max_new_tokens {args.max_new_tokens}; shorten it"
         )
     return Chat(module.to(device), tokenizer, encoder, args), conversation
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run ``plugintrain chat`` until ``/exit``, the end of input or Ctrl-C."""
-    parser = _parser()
-    args = parser.parse_args(list(argv))
+@shared_help(weights=WEIGHTS_HELP, adapter=MERGED_ADAPTER_HELP, device=DEVICE_HELP)
+def chat(
+    *,
+    weights: str | None = None,
+    adapter: str | None = None,
+    template: str | None = None,
+    system: str | None = None,
+    max_new_tokens: int | None = None,
+    temperature: float = 0.7,
+    top_k: int = 50,
+    seed: int = 1337,
+    device: str | None = None,
+) -> int:
+    """Talk to a model in its chat template.
+
+    Each line is a message, the reply streams back. /reset starts over, /exit (or Ctrl-D)
+    ends the chat.
+
+    Args:
+        weights: the model's weights
+        adapter: a LoRA run's or PEFT adapters on them
+        template: a .jinja chat template, or plain (default: the one that came with the
+            model's tokenizer)
+        system: a system prompt, kept all along
+        max_new_tokens: most tokens a reply (default: 256, at most a quarter of the model's
+            block_size)
+        temperature: 0 picks the most likely token (greedy)
+        top_k: sample among the k most likely
+        seed: seed of the sampling
+        device: where the model runs
+    """
+    args = Namespace(**locals())  # the helpers below read the options by name
     problem = _argument_problem(args)
     if problem is not None:
-        parser.error(problem)
+        raise ConfigError(problem)
 
     import torch
 
-    torch.manual_seed(args.seed)
-    chat, conversation = _start(args, parser)
+    torch.manual_seed(seed)
+    talk, conversation = _start(args)
     try:
-        chat.converse(conversation)
+        talk.converse(conversation)
     except KeyboardInterrupt:  # Ctrl-C ends the chat as /exit does
         print(file=sys.stderr)
     return 0

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from plugintrain.tools._args import ToolParser
+from plugintrain.cli_messages import ConfigError
 
 DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-3}
+ComputeDtype = Literal[tuple(sorted(DEFAULT_RTOL))]  # type: ignore[valid-type]
 _STATS = ("mean", "std", "absmax")
 
 
@@ -197,36 +197,34 @@ def compare_runs(a: Run, b: Run, rtol: float) -> int:
     return 0 if first_bad is None and divergence is None and not missing else 1
 
 
-def _parser() -> ToolParser:
-    parser = ToolParser(
-        prog="plugintrain compare",
-        description="Compare two runs' losses (and PrecisionCheck statistics) within a tolerance.",
-    )
-    parser.add_argument("run_a", help="reference run: TensorBoard log dir or PrecisionCheck dir")
-    parser.add_argument("run_b", help="run to check against it")
-    parser.add_argument("--tag", default="train_loss", help="scalar tag of the loss")
-    parser.add_argument(
-        "--dtype",
-        choices=sorted(DEFAULT_RTOL),
-        default="fp32",
-        help="compute dtype whose default tolerance applies",
-    )
-    parser.add_argument("--rtol", type=float, default=None, help="relative tolerance override")
-    parser.add_argument("--rank", type=int, default=0, help="rank whose checker files to read")
-    return parser
+def compare(
+    run_a: str,
+    run_b: str,
+    *,
+    tag: str = "train_loss",
+    dtype: ComputeDtype = "fp32",
+    rtol: float | None = None,
+    rank: int = 0,
+) -> int:
+    """Diff two runs' losses and module statistics within a tolerance.
 
+    Compares two runs' losses (and PrecisionCheck statistics) and prints the first module
+    that diverges. Exit status 0 within tolerance, 1 beyond it or when a run lacks steps
+    the other has, 2 on bad input.
 
-def main(argv: Sequence[str]) -> int:
-    """Entry point of ``plugintrain compare``; returns 0, 1 or 2 (see the module doc)."""
-    parser = _parser()
-    args = parser.parse_args(list(argv))
-    rtol = DEFAULT_RTOL[args.dtype] if args.rtol is None else args.rtol
+    Args:
+        run_a: reference run: TensorBoard log dir or PrecisionCheck dir
+        run_b: run to check against it
+        tag: scalar tag of the loss
+        dtype: compute dtype whose default tolerance applies (fp32 1e-5, bf16 1e-2,
+            fp16 1e-3)
+        rtol: relative tolerance override
+        rank: rank whose checker files to read
+    """
+    rtol = DEFAULT_RTOL[dtype] if rtol is None else rtol
     if not math.isfinite(rtol) or rtol < 0:
-        parser.error(f"--rtol must be a finite number >= 0, got {rtol}")
+        raise ConfigError(f"--rtol must be a finite number >= 0, got {rtol}")
     try:
-        run_a = load_run(args.run_a, args.tag, args.rank)
-        run_b = load_run(args.run_b, args.tag, args.rank)
-        return compare_runs(run_a, run_b, rtol)
+        return compare_runs(load_run(run_a, tag, rank), load_run(run_b, tag, rank), rtol)
     except CompareError as error:
-        print(f"plugintrain compare: error: {error}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(error)) from None

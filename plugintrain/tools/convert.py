@@ -11,70 +11,98 @@ anything is written.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from plugintrain.tools._args import ToolParser
+from plugintrain.cli_messages import ConfigError
+from plugintrain.formats.registry import convert_formats, dtypes, export_formats
+from plugintrain.tools._command import aliases
 
-_FORMATS = ("hf", "llmc", "gguf")  # plugintrain.formats.FORMATS, known before torch loads
-_EXPORT_FORMATS = (*_FORMATS, "peft")  # a LoRA run's adapters alone, for peft / vLLM
-_DTYPES = ("float32", "bfloat16", "float16", "q8_0")  # each held by some format
-
-
-def _parser(command: str) -> ToolParser:
-    source = "CKPT" if command == "export" else "SRC"
-    what = (
-        "a checkpoint written by `plugintrain fit` (a .ckpt file or a sharded checkpoint directory)"
-        if command == "export"
-        else "weights in any format plugintrain reads: a checkpoint, a Hugging Face model"
-        " directory, an llm.c .bin, a .gguf file, or a pretrained name (smollm2-135m)"
-    )
-    parser = ToolParser(
-        prog=f"plugintrain {command}",
-        description=f"Write {what} as a Hugging Face directory, an llm.c model file or GGUF"
-        + (
-            " (or a LoRA run's adapters as a PEFT adapter directory)."
-            if command == "export"
-            else "."
-        ),
-    )
-    parser.add_argument("source", metavar=source, help=what)
-    parser.add_argument(
-        "out", metavar="OUT", help="output: a directory for hf and peft, a file for llmc and gguf"
-    )
-    parser.add_argument(
-        "--format",
-        choices=_EXPORT_FORMATS if command == "export" else _FORMATS,
-        required=True,
-        help="output format"
-        + (
-            "; peft: a LoRA run's adapters as PEFT writes them (adapter_config.json and"
-            " adapter_model.safetensors, Hugging Face module names), for peft, transformers"
-            " and vLLM"
-            if command == "export"
-            else ""
-        ),
-    )
-    parser.add_argument(
-        "--dtype",
-        choices=_DTYPES,
-        default=None,
-        help="weight type written (default: the source's; q8_0 for gguf only; llm.c takes"
-        " float32 or bfloat16)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace OUT if it exists (atomically)"
-    )
-    parser.add_argument(
-        "--merge-lora",
-        action="store_true",
-        help=f"{source} is a LoRA run's checkpoint: write its base weights with the adapters"
-        " merged in (W + alpha/r B A, one tensor at a time)",
-    )
-    return parser
+# The choices of --format and --dtype, read from the format registry (no torch needed).
+ConvertFormat = Literal[tuple(convert_formats())]  # type: ignore[valid-type]
+ExportFormat = Literal[tuple(export_formats())]  # type: ignore[valid-type]
+Dtype = Literal[tuple(dtypes())]  # type: ignore[valid-type]
 
 
-def _problem(args: object, command: str) -> str | None:
+@dataclass(frozen=True)
+class _Job:
+    """What one ``export`` or ``convert`` writes."""
+
+    command: str
+    source: str
+    out: str
+    format: str
+    dtype: str | None
+    overwrite: bool
+    merge_lora: bool
+
+
+@aliases(merge_lora="--merge-lora")
+def export(
+    ckpt: str,
+    out: str,
+    *,
+    format: ExportFormat,
+    dtype: Dtype | None = None,
+    overwrite: bool = False,
+    merge_lora: bool = False,
+) -> int:
+    """A checkpoint for transformers, llm.c or llama.cpp, or its LoRA adapters for peft.
+
+    Writes a checkpoint written by `plugintrain fit` (a .ckpt file or a sharded checkpoint
+    directory) as a Hugging Face directory, an llm.c model file or GGUF (or a LoRA run's
+    adapters as a PEFT adapter directory), one tensor at a time, into OUT.partial renamed
+    into place; every check runs before anything is written.
+
+    Args:
+        ckpt: a checkpoint written by `plugintrain fit` (a .ckpt file or a sharded
+            checkpoint directory)
+        out: output: a directory for hf and peft, a file for llmc and gguf
+        format: output format; peft: a LoRA run's adapters as PEFT writes them
+            (adapter_config.json and adapter_model.safetensors, Hugging Face module names),
+            for peft, transformers and vLLM
+        dtype: weight type written (default: the source's; q8_0 for gguf only; llm.c takes
+            float32 or bfloat16)
+        overwrite: replace OUT if it exists (atomically)
+        merge_lora: CKPT is a LoRA run's checkpoint: write its base weights with the
+            adapters merged in (W + alpha/r B A, one tensor at a time)
+    """
+    return _run(_Job("export", ckpt, out, format, dtype, overwrite, merge_lora))
+
+
+@aliases(merge_lora="--merge-lora")
+def convert(
+    src: str,
+    out: str,
+    *,
+    format: ConvertFormat,
+    dtype: Dtype | None = None,
+    overwrite: bool = False,
+    merge_lora: bool = False,
+) -> int:
+    """Weights between formats.
+
+    Writes weights in any format plugintrain reads (a checkpoint, a Hugging Face model
+    directory, an llm.c .bin, a .gguf file, or a pretrained name such as smollm2-135m) as a
+    Hugging Face directory, an llm.c model file or GGUF, one tensor at a time, into
+    OUT.partial renamed into place; every check runs before anything is written.
+
+    Args:
+        src: weights in any format plugintrain reads: a checkpoint, a Hugging Face model
+            directory, an llm.c .bin, a .gguf file, or a pretrained name (smollm2-135m)
+        out: output: a directory for hf, a file for llmc and gguf
+        format: output format
+        dtype: weight type written (default: the source's; q8_0 for gguf only; llm.c takes
+            float32 or bfloat16)
+        overwrite: replace OUT if it exists (atomically)
+        merge_lora: SRC is a LoRA run's checkpoint: write its base weights with the
+            adapters merged in (W + alpha/r B A, one tensor at a time)
+    """
+    return _run(_Job("convert", src, out, format, dtype, overwrite, merge_lora))
+
+
+def _problem(args: _Job) -> str | None:
     """What is wrong before anything is read; None when nothing is."""
     from plugintrain.data.assets import PRETRAINED_MODELS
     from plugintrain.formats import check_output, dtype_problem
@@ -96,7 +124,7 @@ def _problem(args: object, command: str) -> str | None:
     return None
 
 
-def _adapter_problem(args: object) -> str | None:
+def _adapter_problem(args: _Job) -> str | None:
     """``--merge-lora`` given for a LoRA run's checkpoint, and only for one."""
     from plugintrain.formats import detect_format, resolve
     from plugintrain.formats.checkpoint import CheckpointReader
@@ -113,57 +141,55 @@ def _adapter_problem(args: object) -> str | None:
     return None
 
 
-def _run(command: str, argv: Sequence[str]) -> int:
-    parser = _parser(command)
-    args = parser.parse_args(list(argv))
-    problem = _problem(args, command)
+def _run(args: _Job) -> int:
+    problem = _problem(args)
     if problem is not None:
-        parser.error(problem)
+        raise ConfigError(problem)
     from plugintrain.formats import convert, detect_format, resolve
 
-    if command == "export" and detect_format(resolve(args.source)) != "checkpoint":
-        parser.error(
+    if args.command == "export" and detect_format(resolve(args.source)) != "checkpoint":
+        raise ConfigError(
             f"{args.source} is not a checkpoint written by `plugintrain fit`; use"
             f" `plugintrain convert {args.source} {args.out} --format {args.format}` for"
             " weights in other formats"
         )
     if args.format == "peft":
-        return _export_peft(args, parser)
+        return _export_peft(args)
     try:
         problem = _adapter_problem(args)
     except ValueError as error:  # a damaged checkpoint, named
         problem = str(error)
     if problem is not None:
-        parser.error(problem)
+        raise ConfigError(problem)
     try:
         weights = convert(args.source, Path(args.out), args.format, args.dtype, args.overwrite)
     except (ValueError, FileExistsError, FileNotFoundError) as error:
-        parser.error(str(error))
-    summary = {"source": str(args.source), "out": args.out, "format": args.format,
-               "model": weights.config.name, "tensors": len(weights.names())}  # fmt: skip
+        raise ConfigError(str(error)) from None
+    summary = {
+        "source": str(args.source),
+        "out": args.out,
+        "format": args.format,
+        "model": weights.config.name,
+        "tensors": len(weights.names()),
+    }
     print(json.dumps(summary))
     return 0
 
 
-def _export_peft(args: object, parser: ToolParser) -> int:
+def _export_peft(args: _Job) -> int:
     from plugintrain.formats.peft_adapters import export_peft
 
     try:
         config = export_peft(args.source, Path(args.out), args.overwrite)
     except (ValueError, FileExistsError) as error:
-        parser.error(str(error))
-    summary = {"source": str(args.source), "out": args.out, "format": "peft",
-               "r": config["r"], "lora_alpha": config["lora_alpha"],
-               "modules": len(config["target_modules"])}  # fmt: skip
+        raise ConfigError(str(error)) from None
+    summary = {
+        "source": str(args.source),
+        "out": args.out,
+        "format": "peft",
+        "r": config["r"],
+        "lora_alpha": config["lora_alpha"],
+        "modules": len(config["target_modules"]),
+    }
     print(json.dumps(summary))
     return 0
-
-
-def export_main(argv: Sequence[str]) -> int:
-    """Run ``plugintrain export``."""
-    return _run("export", argv)
-
-
-def convert_main(argv: Sequence[str]) -> int:
-    """Run ``plugintrain convert``."""
-    return _run("convert", argv)

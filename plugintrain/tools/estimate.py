@@ -8,7 +8,9 @@ micro-batches a pipeline rank holds at once) and buffers of the reductions, with
 total; one column per pipeline stage. ``--json`` prints the same as one JSON object.
 ``--fit 80GiB --gpus 64`` lists the layouts of up to 64 devices whose largest rank fits,
 fastest first by the scaling calculator's prediction. Nothing is allocated: the model is
-only built on the meta device (:mod:`plugintrain.estimate`).
+only built on the meta device (:mod:`plugintrain.estimate`). ``--config RECIPE`` (or
+``--recipe``) takes the model and layout from a ``plugintrain fit`` recipe instead; a
+``--config`` file of estimate's own options (as ``--print_config`` writes it) works too.
 
 ``--time`` predicts the step time, tokens/s and MFU of the layout on ``--cluster`` (named
 presets of devices and links, each value overridable; :mod:`plugintrain.estimate.timing`).
@@ -27,464 +29,183 @@ Exit status: 0 on success, 2 on bad input (a layout the model cannot train on).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import sys
-from collections.abc import Sequence
+import inspect
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import SimpleNamespace
+from typing import Any, Literal
 
-from plugintrain.tools._args import ToolParser
+from plugintrain.estimate.names import CLUSTER_NAMES, ENGINE_STAGE, PRECISIONS, SINGLE, STRATEGIES
+from plugintrain.tools._command import config_file, shared_help
 
-if TYPE_CHECKING:
-    from plugintrain.estimate import Estimate, Layout
-    from plugintrain.estimate.timing import Cluster, Prediction
-    from plugintrain.model_zoo import TransformerConfig
-
-_ROWS = (
-    ("parameters", "parameters"),
-    ("gradients", "gradients"),
-    ("optimizer", "optimizer state (AdamW)"),
-    ("activations", "activations (peak)"),
-    ("communication", "reduction buffers"),
-)
+# The choices, from the registries (plain data: `--help` imports no torch). The work is in
+# plugintrain.tools.estimate_run, imported when the command runs: jsonargparse reads this
+# module's imports (TYPE_CHECKING ones too) to resolve the signature.
+StrategyName = Literal[STRATEGIES]  # type: ignore[valid-type]
+PrecisionName = Literal[PRECISIONS]  # type: ignore[valid-type]
+ClusterName = Literal[CLUSTER_NAMES]  # type: ignore[valid-type]
 
 
-def _parser() -> argparse.ArgumentParser:
-    from plugintrain.estimate.names import PRECISIONS, STRATEGIES
-
-    parser = ToolParser(
-        prog="plugintrain estimate",
-        description="Per-rank memory of a model on a parallel layout; --fit lists the layouts"
-        " that fit a device.",
-    )
-    add = parser.add_argument
-    add("model", nargs="?", default=None,
-        help="a preset (plugintrain.model_zoo presets) or a .json/.yaml config file")  # fmt: skip
-    add("--config", metavar="RECIPE", default=None,
-        help="a `plugintrain fit` recipe: its model and layout (devices x num_nodes, the"
-             " strategy and its options, precision, seq_len, batch_size) instead of MODEL"
-             " and the layout options")  # fmt: skip
-    add("--strategy", choices=STRATEGIES, default=None,
-        help="single (one device), ddp_bucketed, zero1, zero2 (data parallel only) or hybrid;"
-             " default: single on one device, else hybrid")  # fmt: skip
-    add("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    add("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    add("--sp", action="store_true", help="sequence parallelism (needs --tp > 1)")
-    add("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    add("--vpp", type=int, default=1, help="model chunks per pipeline rank (default 1)")
-    add("--ep", type=int, default=1, help="expert-parallel ranks (models with experts only)")
-    add("--zero_stage", type=int, default=0, help="hybrid: 0, 1, 2 or 3 (FSDP2); default 0")
-    add("--precision", choices=PRECISIONS, default="bf16-mixed", help="default bf16-mixed")
-    add("--micro_batch", type=int, default=1, help="sequences per micro-batch and rank")
-    add("--seq_len", type=int, default=None,
-        help="tokens per sequence (default 2048, or a shorter block_size)")  # fmt: skip
-    add("--microbatches", type=int, default=None,
-        help="micro-batches per step (default pp; with --fit, of every pipeline)")  # fmt: skip
-    add("--schedule", choices=("gpipe", "1f1b", "interleaved"), default=None,
-        help="pipeline schedule (default 1f1b, interleaved with --vpp > 1)")  # fmt: skip
-    add("--layers_per_stage", type=_counts, default=None, metavar="N,N,...",
-        help="blocks of each virtual stage, e.g. 5,3 (default: equal)")  # fmt: skip
-    add("--recompute", choices=("none", "full", "selective"), default="none",
-        help="activation recomputation of each block")  # fmt: skip
-    add("--every_n_layers", type=int, default=1, help="with --recompute full: every n-th block")
-    add("--lora_r", type=int, default=0, help="LoRA rank; 0 (default): full fine-tuning")
-    add("--lora_targets", nargs="+", default=None,
-        help="LoRA's Linear layers (default *.attention.wq *.attention.wv)")  # fmt: skip
-    add("--bucket_size_mb", type=float, default=25.0, help="gradient bucket size (default 25)")
-    add("--fit", metavar="MEMORY", default=None,
-        help="list the layouts whose largest rank fits MEMORY (80GiB, 141GB, bytes)")  # fmt: skip
-    add("--gpus", type=int, default=None, help="with --fit: up to this many devices (default 8)")
-    add("--top", type=int, default=20, help="with --fit: print this many layouts (default 20)")
-    add("--json", action="store_true", help="print one JSON object instead of a table")
-    add("--dry_run", action="store_true",
-        help="build the ranks on the real code path (fake process group, meta tensors) and"
-             " report what each holds next to the estimate, and every problem found")  # fmt: skip
-    add("--ranks", default="sample", metavar="sample|all|R,R,...",
-        help="with --dry_run: one rank of each kind (default), every rank (also checks that"
-             " every parameter is stepped exactly once), or these global ranks")  # fmt: skip
-    add("--trace", action="store_true",
-        help="with --dry_run: also run one training step on meta tensors: FLOPs, activation"
-             " peak, collectives per mesh dimension, pipeline sends paired")  # fmt: skip
-    add("--memory", default=None, metavar="MEMORY",
-        help="with --dry_run: report each rank over MEMORY (80GiB, 141GB)")  # fmt: skip
-    _calculator_options(parser)
-    return parser
-
-
-def _calculator_options(parser: argparse.ArgumentParser) -> None:
-    from plugintrain.estimate.names import CLUSTER_NAMES
-
-    group = parser.add_argument_group(
-        "scaling calculator",
-        "Step time, tokens/s and MFU on a cluster (plugintrain.estimate.timing); --fit ranks"
-        " the layouts that fit by it. With --dry_run --trace, from the traced step.",
-    )
-    add = group.add_argument
-    add("--time", action="store_true", help="predict the step time, tokens/s and MFU")
-    add("--cluster", choices=CLUSTER_NAMES, default="h100-ib",
-        help="devices and links (default h100-ib: H100 SXM, NVLink 4, 400 Gb/s a GPU)")  # fmt: skip
-    add("--gpus_per_node", type=int, default=None, help="GPUs joined by NVLink (default 8)")
-    for name, what in (("intra", "NVLink"), ("inter", "the network")):
-        add(f"--{name}_bw", type=float, default=None, metavar="GB/s",
-            help=f"bus bandwidth per GPU over {what}, as nccl-tests reports it")  # fmt: skip
-        add(f"--{name}_latency", type=float, default=None, metavar="us",
-            help=f"microseconds per collective over {what}")  # fmt: skip
-    add("--matmul_efficiency", type=float, default=None, metavar="F",
-        help="fraction of the dense peak large matmuls reach (h100: 0.75, a100: 0.85)")  # fmt: skip
-    add("--attention_efficiency", type=float, default=None, metavar="F",
-        help="fraction of the dense peak attention reaches (h100: 0.40, a100: 0.60)")  # fmt: skip
-
-
-def _counts(text: str) -> tuple[int, ...]:
-    """``5,3`` -> (5, 3)."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not comma-separated block counts: {text!r}") from None
-
-
-def load_config(model: str) -> TransformerConfig:
-    """A preset by name, or the ``TransformerConfig`` fields in a JSON or YAML file."""
-    from plugintrain.model_zoo import TransformerConfig
-
-    path = Path(model)
-    if path.suffix not in (".json", ".yaml", ".yml"):
-        return TransformerConfig.from_name(model)
-    if not path.is_file():
-        raise ValueError(f"config file {model!r} does not exist; give a preset or a file")
-    import yaml
-
-    text = path.read_text()
-    # YAML 1.1 reads JSON's `1e-05` as a string: JSON files go through json.
-    fields = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    if not isinstance(fields, dict):
-        raise ValueError(f"{model} holds no mapping of TransformerConfig fields")
-    try:
-        return TransformerConfig.from_dict(fields)
-    except TypeError as error:
-        raise ValueError(f"{model}: {error}; use TransformerConfig's field names") from None
-
-
-_LAYOUT_OPTIONS = (
-    "strategy", "dp", "tp", "sp", "pp", "vpp", "ep", "zero_stage", "precision", "micro_batch",
-    "seq_len", "microbatches", "schedule", "layers_per_stage", "recompute", "every_n_layers",
-    "lora_r", "lora_targets", "bucket_size_mb",
-)  # fmt: skip
-
-
-def _model_and_layout(args: argparse.Namespace) -> tuple[TransformerConfig, Layout]:
-    """From ``--config RECIPE``, or from MODEL and the layout options."""
-    if (args.config is None) == (args.model is None):
-        raise ValueError("give MODEL (a preset or config file) or --config RECIPE, one of them")
-    if args.config is not None:
-        from plugintrain.estimate.recipe import recipe_layout
-
-        defaults = _parser()
-        given = [f"--{k}" for k in _LAYOUT_OPTIONS if getattr(args, k) != defaults.get_default(k)]
-        if given:
-            raise ValueError(
-                f"--config takes the layout from the recipe; leave out {', '.join(given)}"
-                " (or edit the recipe)"
-            )
-        return recipe_layout(args.config)
-    config = load_config(args.model)
-    return config, _layout(args, config)
-
-
-def _layout(args: argparse.Namespace, config: TransformerConfig) -> Layout:
-    from plugintrain.estimate import Layout
-    from plugintrain.strategies import ParallelDims
-
-    world = args.dp * args.tp * args.pp
-    strategy = args.strategy or ("single" if world == 1 and args.fit is None else "hybrid")
-    if args.dp % args.ep:  # a model without experts is told so, not that dp is too small
-        ParallelDims(expert_parallel=args.ep).validate_experts(config)
-    return Layout.of(
-        strategy, dp=args.dp, tp=args.tp, sp=args.sp, pp=args.pp, vpp=args.vpp,
-        ep=args.ep, zero_stage=args.zero_stage, precision=args.precision,
-        micro_batch=args.micro_batch, seq_len=args.seq_len or min(2048, config.block_size),
-        microbatches=args.microbatches, layers_per_stage=args.layers_per_stage,
-        schedule=args.schedule, recompute=args.recompute, every_n_layers=args.every_n_layers,
-        lora_r=args.lora_r, lora_targets=args.lora_targets, bucket_size_mb=args.bucket_size_mb,
-    )  # fmt: skip
-
-
-def size(n: float) -> str:
-    """Bytes as ``12.3 GiB`` (binary units, three significant digits)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    return f"{n:.3g} TiB"
-
-
-def describe(layout: Layout) -> str:
-    """The layout on one line: ``hybrid dp=8 x tp=2 (sp) x pp=1, zero_stage=1, ...``."""
-    named = layout.as_json()
-    sp = " (sp)" if named["sp"] else ""
-    vpp = f" x vpp={named['vpp']}" if named["vpp"] > 1 else ""
-    zero = f", zero_stage={layout.stage}" if layout.stage is not None else ""
-    pipe = f", {named['microbatches']} micro-batches" if named["pp"] > 1 else ""
-    if named["layers_per_stage"] is not None:
-        pipe += f", layers_per_stage={named['layers_per_stage']}"
-    lora = f", LoRA r={named['lora_r']}" if named["lora_r"] else ""
-    every = f" every {named['every_n_layers']}" if named["every_n_layers"] > 1 else ""
+def _strategy_help() -> str:
+    """``--strategy``'s help: the names of the estimate's strategies, from the registry."""
+    data = ", ".join(ENGINE_STAGE)
+    hybrid = " or ".join(n for n in STRATEGIES if n not in ENGINE_STAGE and n != SINGLE)
     return (
-        f"{layout.strategy} dp={named['dp']} x tp={named['tp']}{sp} x pp={named['pp']}{vpp}"
-        f"{zero}, {layout.precision}, micro_batch={layout.micro_batch} x seq_len="
-        f"{layout.seq_len}{pipe}, recompute={named['recompute']}{every}{lora}"
+        f"{SINGLE} (one device), {data} (data parallel only) or {hybrid}; default: {SINGLE}"
+        " on one device, else hybrid"
     )
 
 
-def table(result: Estimate) -> str:
-    """The per-rank table: one row per part, one column per pipeline stage."""
-    stages = result.stage_peaks()
-    heads = ["per rank"] if len(stages) == 1 else [f"stage {r.pp_rank}" for r in stages]
-    rows = [(label, [size(getattr(r, key)) for r in stages]) for key, label in _ROWS]
-    rows.append(("total", [size(r.total) for r in stages]))
-    width = max(len(label) for label, _ in rows)
-    cols = [max(len(h), *(len(v[i]) for _, v in rows)) for i, h in enumerate(heads)]
-    lines = [
-        f"{result.config.name}: {describe(result.layout)}",
-        "",
-        f"{'':<{width}}  " + "  ".join(f"{h:>{c}}" for h, c in zip(heads, cols, strict=True)),
-    ]
-    for label, values in rows:
-        cells = "  ".join(f"{v:>{c}}" for v, c in zip(values, cols, strict=True))
-        lines.append(f"{label:<{width}}  {cells}")
-    return "\n".join(lines)
-
-
-def to_json(result: Estimate) -> dict[str, Any]:
-    """The estimate as plain JSON types: the layout, each stage's largest rank, the peak."""
-    stages = [{**dataclasses.asdict(r), "total": r.total} for r in result.stage_peaks()]
-    peak = result.peak
+def _link_help(what: str) -> dict[str, str]:
     return {
-        "model": result.config.name,
-        "layout": result.layout.as_json(),
-        "stages": stages,
-        "peak": {**dataclasses.asdict(peak), "total": peak.total},
+        "bw": f"bus bandwidth per GPU over {what} in GB/s, as nccl-tests reports it",
+        "latency": f"microseconds per collective over {what}",
     }
 
 
-def fit_table(
-    results: list[Estimate], memory: int, gpus: int, top: int,
-    predictions: list[Prediction] | None = None, cluster: str = "",
-) -> str:  # fmt: skip
-    """The layouts that fit, one per line, in the given order (with ``predictions``: the
-    predicted tokens/s and MFU on ``cluster`` too)."""
-    if not results:
-        return f"No layout of up to {gpus} devices fits in {size(memory)} per device."
-    heads = ("gpus", "dp", "tp", "sp", "pp", "zero", *(k for k, _ in _ROWS), "total")
-    speed = ("tokens/s", "/gpu", "mfu") if predictions else ()
-    order = f", fastest first on {cluster}" if predictions else ""
-    lines = [
-        f"{len(results)} layouts of up to {gpus} devices fit in {size(memory)} per device"
-        f" (largest rank{order}; showing {min(top, len(results))}):",
-        "  ".join([*(f"{h:>11}" if i > 5 else f"{h:>4}" for i, h in enumerate(heads)),
-                   *(f"{h:>9}" for h in speed)]),
-    ]  # fmt: skip
-    for i, result in enumerate(results[:top]):
-        layout, peak = result.layout, result.peak
-        dims = layout.dims
-        cells = [
-            layout.world_size,
-            dims.dp,
-            dims.tp,
-            "y" if dims.sequence_parallel else "n",
-            dims.pp,
-        ]
-        cells.append("fsdp" if layout.stage == 3 else str(layout.stage or 0))
-        parts = [size(getattr(peak, key)) for key, _ in _ROWS] + [size(peak.total)]
-        row = [*(f"{c!s:>4}" for c in cells), *(f"{p:>11}" for p in parts)]
-        if predictions:
-            p = predictions[i]
-            speeds = (p.tokens_per_second, p.tokens_per_second_per_gpu)
-            row += [*(f"{_count(v):>9}" for v in speeds), f"{p.mfu:>9.1%}"]
-        lines.append("  ".join(row))
-    return "\n".join(lines)
+# The help of each option (the command's Args, 40 of them): a table, so that the function
+# stays its signature, readable as the list of the options.
+OPTION_HELP = {
+    "model": "a preset (plugintrain.model_zoo presets) or a .json/.yaml config file",
+    "recipe": "a `plugintrain fit` recipe: its model and layout (devices x num_nodes, the"
+    " strategy and its options, precision, seq_len, batch_size) instead of MODEL and the"
+    " layout options; --config RECIPE says the same",
+    "strategy": _strategy_help(),
+    "dp": "data-parallel replicas",
+    "tp": "tensor-parallel ranks",
+    "sp": "sequence parallelism (needs --tp > 1)",
+    "pp": "pipeline stages",
+    "vpp": "model chunks per pipeline rank",
+    "ep": "expert-parallel ranks (models with experts only)",
+    "zero_stage": "hybrid: 0, 1, 2 or 3 (FSDP2); default 0",
+    "precision": "the training precision",
+    "micro_batch": "sequences per micro-batch and rank",
+    "seq_len": "tokens per sequence (default 2048, or a shorter block_size)",
+    "microbatches": "micro-batches per step (default pp; with --fit, of every pipeline)",
+    "schedule": "pipeline schedule (default 1f1b, interleaved with --vpp > 1)",
+    "layers_per_stage": "blocks of each virtual stage, N,N,..., e.g. 5,3 (default: equal)",
+    "recompute": "activation recomputation of each block",
+    "every_n_layers": "with --recompute full: every n-th block",
+    "lora_r": "LoRA rank; 0 (default): full fine-tuning",
+    "lora_targets": "LoRA's Linear layers (default *.attention.wq *.attention.wv)",
+    "bucket_size_mb": "gradient bucket size",
+    "fit": "list the layouts whose largest rank fits this MEMORY (80GiB, 141GB, bytes)",
+    "gpus": "with --fit: up to this many devices (default 8)",
+    "top": "with --fit: print this many layouts",
+    "json": "print one JSON object instead of a table",
+    "dry_run": "build the ranks on the real code path (fake process group, meta tensors) and"
+    " report what each holds next to the estimate, and every problem found",
+    "ranks": "with --dry_run: sample (one rank of each kind), all (every rank; also checks"
+    " that every parameter is stepped exactly once) or R,R,... (these global ranks)",
+    "trace": "with --dry_run: also run one training step on meta tensors: FLOPs, activation"
+    " peak, collectives per mesh dimension, pipeline sends paired",
+    "memory": "with --dry_run: report each rank over this MEMORY (80GiB, 141GB)",
+    "time": "scaling calculator: predict the step time, tokens/s and MFU on --cluster"
+    " (plugintrain.estimate.timing); --fit ranks the layouts that fit by it, and with"
+    " --dry_run --trace it prices the traced step",
+    "cluster": "devices and links (h100-ib: H100 SXM, NVLink 4, 400 Gb/s a GPU)",
+    "gpus_per_node": "GPUs joined by NVLink (default 8)",
+    **{f"intra_{k}": text for k, text in _link_help("NVLink").items()},
+    **{f"inter_{k}": text for k, text in _link_help("the network").items()},
+    "matmul_efficiency": "fraction of the dense peak large matmuls reach (h100 0.75, a100 0.85)",
+    "attention_efficiency": "fraction of the dense peak attention reaches (h100 0.40, a100 0.60)",
+}
 
 
-def _count(n: float) -> str:
-    """``1.46M``, ``178``, ``12.1k``."""
-    for unit, scale in (("M", 1e6), ("k", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.3g}"
-
-
-def _fit_json(
-    results: list[Estimate], memory: int, gpus: int, predictions: list[Prediction]
-) -> dict[str, Any]:
-    layouts = [{**to_json(r), "prediction": dataclasses.asdict(p)}
-               for r, p in zip(results, predictions, strict=True)]  # fmt: skip
-    return {"memory": memory, "gpus": gpus, "layouts": layouts}
-
-
-def cluster_of(args: argparse.Namespace) -> Cluster:
-    """The named ``--cluster`` with the options that override it.
-
-    Raises:
-        ValueError: On a value out of range, naming it.
-    """
-    from plugintrain.estimate.timing import CLUSTERS, Link
-
-    cluster = CLUSTERS[args.cluster]
-    ranges = {  # option: (lowest, highest, whether the lowest is allowed)
-        "gpus_per_node": (1, None, True), "intra_bw": (0, None, False),
-        "inter_bw": (0, None, False), "intra_latency": (0, None, True),
-        "inter_latency": (0, None, True), "matmul_efficiency": (0, 1, False),
-        "attention_efficiency": (0, 1, False),
-    }  # fmt: skip
-    for name, (low, high, closed) in ranges.items():
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if value < low or (value == low and not closed) or (high is not None and value > high):
-            bound = f"in (0, {high}]" if high else f">= {low}" if closed else f"> {low}"
-            raise ValueError(f"--{name}={value} must be {bound}")
-    links = {}
-    for name in ("intra", "inter"):
-        link = getattr(cluster, name)
-        bw, latency = getattr(args, f"{name}_bw"), getattr(args, f"{name}_latency")
-        links[name] = Link(
-            link.bandwidth if bw is None else bw * 1e9,
-            link.latency if latency is None else latency * 1e-6,
-        )
-    changes = {k: getattr(args, k) for k in ("gpus_per_node", "matmul_efficiency",
-               "attention_efficiency") if getattr(args, k) is not None}  # fmt: skip
-    return dataclasses.replace(cluster, **links, **changes)
-
-
-def prediction_text(prediction: Prediction, cluster: Cluster, name: str, source: str) -> str:
-    """The prediction in a few lines: the cluster, the step, and where its time goes."""
-    from plugintrain.estimate.timing import MODELLED
-
-    p, c = prediction, cluster
-    parts = "  ".join(f"{k} {v:.3g} s" for k, v in p.breakdown.items())
-    return "\n".join([
-        f"predicted on {name} ({source}): {c.chip}, matmuls at {c.matmul_efficiency:.0%} and"
-        f" attention at {c.attention_efficiency:.0%} of the dense peak; {c.gpus_per_node} GPUs"
-        f" per node, NVLink {c.intra.bandwidth / 1e9:.4g} GB/s, network"
-        f" {c.inter.bandwidth / 1e9:.4g} GB/s per GPU",
-        f"  step {p.step_time:.4g} s for {_count(p.tokens_per_step)} tokens:"
-        f" {_count(p.tokens_per_second)} tokens/s, {_count(p.tokens_per_second_per_gpu)} per"
-        f" GPU, {p.tflops_per_gpu:.4g} TFLOP/s per GPU, MFU {p.mfu:.1%}",
-        f"  {parts}",
-        f"  {MODELLED}",
-    ])  # fmt: skip
-
-
-def main(argv: Sequence[str]) -> int:
-    """Entry point of ``plugintrain estimate``; returns 0, or 2 on bad input."""
-    args = _parser().parse_args(list(argv))
-    from plugintrain.estimate import estimate, fitting_layouts, parse_bytes
-    from plugintrain.estimate.timing import formula_costs, predict
+def _is_recipe(path: str) -> bool:
+    """Whether ``--config PATH`` names a ``plugintrain fit`` recipe rather than a file of
+    estimate's options: a ``trainer`` section, or a ``model`` with a class. A file that does
+    not exist or does not parse is taken for a recipe, which then says what is wrong."""
+    import yaml
 
     try:
-        cluster = cluster_of(args)
-        config, layout = _model_and_layout(args)
-        if args.dry_run:
-            return _dry_run(args, config, layout, cluster)
-        if args.trace or args.memory or args.ranks != "sample":
-            raise ValueError("--trace, --memory and --ranks go with --dry_run; add it")
-        if args.fit is None:
-            result = estimate(config, layout)
-            if args.time:
-                prediction = predict(formula_costs(config, layout, result), config, layout,
-                                     cluster)  # fmt: skip
-        else:
-            memory, gpus = parse_bytes(args.fit), args.gpus or 8
-            if gpus < 1 or args.top < 1:
-                raise ValueError(f"--gpus={gpus} and --top={args.top} must be >= 1")
-            layout.check(config)  # the options that stay fixed, checked once
-            fits = fitting_layouts(config, gpus, memory, layout, args.microbatches)
-            fits, predictions = _ranked(fits, cluster)
-    except ValueError as error:
-        print(f"plugintrain estimate: error: {error}", file=sys.stderr)
-        return 2
-    if args.fit is None:
-        if args.json:
-            out = to_json(result)
-            if args.time:
-                out["prediction"] = dataclasses.asdict(prediction)
-            print(json.dumps(out))
-        else:
-            print(table(result))
-            if args.time:
-                print()
-                print(prediction_text(prediction, cluster, args.cluster, "from the shapes"))
-    elif args.json:
-        print(json.dumps(_fit_json(fits, memory, gpus, predictions)))
-    else:
-        print(fit_table(fits, memory, gpus, args.top, predictions, args.cluster))
-    return 0
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return True
+    return not isinstance(doc, dict) or "trainer" in doc or isinstance(doc.get("model"), dict)
 
 
-def _ranked(fits: list[Estimate], cluster: Cluster) -> tuple[list[Estimate], list[Prediction]]:
-    """The layouts that fit, fastest (predicted tokens/s) first; ties: fewer devices."""
-    from plugintrain.estimate.timing import formula_costs, predict
+def _recipe_or_options() -> type:
+    """``--config``'s action: a fit recipe goes to ``recipe`` (what ``estimate --config``
+    meant before every command took a file of its options); any other file is read as
+    estimate's own options (what ``--print_config`` writes)."""
+    from jsonargparse import ActionConfigFile
 
-    predicted = [
-        (predict(formula_costs(e.config, e.layout, e), e.config, e.layout, cluster), e)
-        for e in fits
-    ]
-    predicted.sort(key=lambda pe: (-pe[0].tokens_per_second, pe[1].layout.world_size))
-    return [e for _, e in predicted], [p for p, _ in predicted]
+    class RecipeOrOptions(ActionConfigFile):
+        def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Any = None) -> None:
+            if isinstance(values, str) and _is_recipe(values):
+                cfg["recipe"] = values
+            else:
+                super().__call__(parser, cfg, values, option_string)
+
+    return RecipeOrOptions
 
 
-MIXED_TRACE = (
-    "the traced step runs on meta tensors, where autocast does not run: its collectives"
-    " and activations are fp32's (an upper bound under mixed precision); the figures from"
-    " the shapes use autocast's dtypes"
+@config_file(
+    _recipe_or_options,
+    "a `plugintrain fit` recipe (as --recipe) or a YAML or JSON file of these options",
 )
-
-
-def _dry_run(
-    args: argparse.Namespace, config: TransformerConfig, layout: Layout, cluster: Cluster
+@shared_help(**OPTION_HELP)
+def estimate(
+    model: str | None = None,
+    *,
+    recipe: str | None = None,
+    strategy: StrategyName | None = None,
+    dp: int = 1,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    vpp: int = 1,
+    ep: int = 1,
+    zero_stage: int = 0,
+    precision: PrecisionName = "bf16-mixed",
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    microbatches: int | None = None,
+    schedule: Literal["gpipe", "1f1b", "interleaved"] | None = None,
+    layers_per_stage: str | None = None,
+    recompute: Literal["none", "full", "selective"] = "none",
+    every_n_layers: int = 1,
+    lora_r: int = 0,
+    lora_targets: list[str] | None = None,
+    bucket_size_mb: float = 25.0,
+    fit: str | None = None,
+    gpus: int | None = None,
+    top: int = 20,
+    json: bool = False,
+    dry_run: bool = False,
+    ranks: str = "sample",
+    trace: bool = False,
+    memory: str | None = None,
+    time: bool = False,
+    cluster: ClusterName = "h100-ib",
+    gpus_per_node: int | None = None,
+    intra_bw: float | None = None,
+    intra_latency: float | None = None,
+    inter_bw: float | None = None,
+    inter_latency: float | None = None,
+    matmul_efficiency: float | None = None,
+    attention_efficiency: float | None = None,
 ) -> int:
-    """``--dry_run``: the chosen ranks built (see :mod:`plugintrain.estimate.dry_run`), their
-    bytes next to the estimate's, then every problem found, one line each (exit 2); with
-    ``--time`` the traced step priced on the cluster, next to the formula's price."""
-    from plugintrain.estimate import parse_bytes
-    from plugintrain.estimate.dry_run import dry_run, parse_ranks
-    from plugintrain.estimate.timing import formula_costs, predict, traced_costs
+    """Per-rank memory of a model on a parallel layout; --fit lists the layouts that fit a device.
 
-    if args.fit is not None:
-        raise ValueError("--dry_run checks one layout; leave out --fit (or run --fit alone)")
-    if args.trace and layout.strategy == "single":
-        raise ValueError("--trace runs a distributed step; give a layout over several ranks")
-    if args.time and not args.trace:
-        raise ValueError("--time with --dry_run prices the traced step; add --trace")
-    memory = None if args.memory is None else parse_bytes(args.memory)
-    ranks = parse_ranks(args.ranks, layout)
-    if layout.seq_len > config.block_size:
-        layout.check(config)  # the one check no rank makes
-    report = dry_run(config, layout, ranks, memory, args.trace)
-    predictions = {}
-    if args.time:
-        predictions = {
-            "from the traced step": predict(traced_costs(report, config, layout), config,
-                                            layout, cluster),
-            "from the shapes": predict(formula_costs(config, layout), config, layout, cluster),
-        }  # fmt: skip
-    if args.json:
-        out = report.as_json()
-        if args.trace and layout.precision.endswith("-mixed"):
-            out["note"] = MIXED_TRACE
-        if predictions:
-            out["prediction"] = {k: dataclasses.asdict(v) for k, v in predictions.items()}
-        print(json.dumps(out))
-    else:
-        print(f"{config.name}: {describe(layout)}")
-        print(report.table(size))
-        if args.trace and layout.precision.endswith("-mixed"):
-            print(f"\nnote: {MIXED_TRACE}")
-        for source, prediction in predictions.items():
-            print()
-            print(prediction_text(prediction, cluster, args.cluster, source))
-    for line in report.problems:
-        print(f"plugintrain estimate: {line}", file=sys.stderr)
-    return 2 if report.problems else 0
+    Exit status: 0 on success, 2 on bad input (a layout the model cannot train on), or with
+    --dry_run, on a problem found.
+    """
+    from plugintrain.tools.estimate_run import run
+
+    # The options as one value, as the steps read them (their help: OPTION_HELP).
+    args = SimpleNamespace(**locals())
+    return run(args, _recipe_clashes(args))
+
+
+def _layout_options() -> list[str]:
+    """The options a ``--config`` recipe gives instead: the signature's from ``--strategy``
+    to ``--bucket_size_mb``."""
+    names = list(inspect.signature(estimate).parameters)
+    return names[names.index("strategy") : names.index("bucket_size_mb") + 1]
+
+
+def _recipe_clashes(args: SimpleNamespace) -> list[str]:
+    """The layout options given with a recipe (which gives the layout itself)."""
+    defaults = inspect.signature(estimate).parameters
+    return [f"--{k}" for k in _layout_options() if getattr(args, k) != defaults[k].default]

@@ -29,17 +29,18 @@ status 2, before the model loads where the model is not needed to tell.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import shlex
 import sys
 from argparse import Namespace
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from json import dumps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from plugintrain.tools._args import ToolParser
+from plugintrain.cli_messages import ConfigError
+from plugintrain.tools._command import shared_help
 from plugintrain.tools._models import (
     DEVICE_HELP,
     MERGED_ADAPTER_HELP,
@@ -54,57 +55,12 @@ from plugintrain.tools._models import (
 
 if TYPE_CHECKING:
     import numpy as np
-    import torch
 
     from plugintrain.data.tokenizers.chat_templates import ChatEncoder
     from plugintrain.model_zoo.generation import PretrainedLM
+    from plugintrain.model_zoo.metrics import Totals
 
 TEXT, CHAT_FOLDER, CHAT_FILE = "text folder", "chat folder", "chat file"
-
-
-def _parser() -> ToolParser:
-    parser = ToolParser(
-        prog="plugintrain evaluate",
-        description="Loss, perplexity and bits per byte of a model on held-out data, or a chat"
-        " model's answers against reference answers.",
-    )
-    parser.add_argument("--weights", default=None, help=WEIGHTS_HELP)
-    parser.add_argument("--adapter", default=None, help=MERGED_ADAPTER_HELP)
-    parser.add_argument(
-        "--data",
-        default=None,
-        help="a folder of `plugintrain prepare text`/`shakespeare` (text) or `prepare chat`,"
-        " or a .jsonl/.json file of conversations ending with the reference answer",
-    )
-    parser.add_argument(
-        "--tasks",
-        default=None,
-        help="instead of --data: lm-evaluation-harness tasks, comma-separated (hellaswag,"
-        "gsm8k, or your own from --include_path), run by lm_eval with plugintrain's model",
-    )
-    parser.add_argument(
-        "--include_path", default=None, help="--tasks: a folder of your own lm-eval task YAMLs"
-    )
-    parser.add_argument("--num_fewshot", type=int, default=None, help="--tasks: few-shot examples")
-    parser.add_argument("--split", default=None, help="a folder's split (default: val)")
-    parser.add_argument(
-        "--seq_len", type=int, default=None, help="text: tokens a window (default: block_size)"
-    )
-    parser.add_argument(
-        "--max_new_tokens", type=int, default=128, help="chat: most tokens an answer"
-    )
-    parser.add_argument("--batch_size", type=int, default=8, help="windows or examples a batch")
-    parser.add_argument("--limit", type=int, default=None, help="the first N windows/examples")
-    parser.add_argument(
-        "--template",
-        default=None,
-        help="chat: a .jinja chat template, or plain (default: the model's own)",
-    )
-    parser.add_argument(
-        "--json", default=None, metavar="OUT", help="write the results as JSON to OUT (-: stdout)"
-    )
-    parser.add_argument("--device", default=None, help=DEVICE_HELP)
-    return parser
 
 
 def _argument_problem(args: Namespace) -> str | None:
@@ -262,32 +218,6 @@ def _check_tokenizer(data: EvalData, module: PretrainedLM) -> None:
 # ---- losses --------------------------------------------------------------------------------
 
 
-@dataclass
-class Totals:
-    """Summed NLL (nats) of the scored targets, their number and the bytes they spell."""
-
-    nll: float = 0.0
-    tokens: int = 0
-    bytes: int = 0
-
-    def add(self, nll: torch.Tensor, scored: torch.Tensor, nbytes: torch.Tensor | None) -> None:
-        """Add the per-target ``nll`` ``(B, T)`` where ``scored``, and their bytes."""
-        self.nll += float(nll[scored].double().sum())
-        self.tokens += int(scored.sum())
-        self.bytes += 0 if nbytes is None else int(nbytes[scored].sum())
-
-
-def target_nll(module: PretrainedLM, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """NLL (nats, fp32) of each target ``y`` ``(B, T)`` after the tokens ``x`` ``(B, T)``
-    up to it: ``(B, T)``. One row's logits are upcast at a time."""
-    import torch
-    import torch.nn.functional as F
-
-    logits = module.model(x)  # (B, T, V)
-    rows = zip(logits, y, strict=True)
-    return torch.stack([F.cross_entropy(r.float(), t, reduction="none") for r, t in rows])
-
-
 def text_totals(
     module: PretrainedLM, data: EvalData, seq_len: int, args: Namespace
 ) -> tuple[Totals, int]:
@@ -296,6 +226,7 @@ def text_totals(
 
     from plugintrain.data.datamodules.prepared_folders import PreparedFolders
     from plugintrain.data.tokenizers.token_bytes import read_token_bytes
+    from plugintrain.model_zoo.metrics import window_totals
 
     name = f"{data.split}.bin"  # a folder of llm.c files; prepare text's meta.json lists shards
     windows = PreparedFolders([data.path], name, name, None).windows(
@@ -304,62 +235,7 @@ def text_totals(
     count = len(windows) if args.limit is None else min(args.limit, len(windows))
     counts = read_token_bytes(data.path)
     token_bytes = None if counts is None else torch.from_numpy(counts).to(module.device)
-    totals = Totals()
-    for start in range(0, count, args.batch_size):
-        rows = [windows[i] for i in range(start, min(start + args.batch_size, count))]
-        x, y = (torch.stack(column).to(module.device) for column in zip(*rows, strict=True))
-        nbytes = None if token_bytes is None else token_bytes[y]
-        totals.add(target_nll(module, x, y), torch.ones_like(y, dtype=torch.bool), nbytes)
-    return totals, count
-
-
-def chat_totals(
-    module: PretrainedLM,
-    examples: Iterable[tuple[np.ndarray, np.ndarray]],
-    batch_size: int,
-    source: Path,
-) -> tuple[Totals, int]:
-    """The totals over the target tokens of ``examples`` (ids, mask: True where the token
-    is a target) of ``source``, and their number.
-
-    Raises:
-        ValueError: If an example is longer than the model reads at once.
-    """
-    totals, count, batch = Totals(), 0, []
-    for ids, mask in examples:
-        count += 1
-        if len(ids) > module.max_seq_len + 1:
-            raise ValueError(
-                f"{source} example {count} holds {len(ids)} tokens, more than the model's"
-                f" block_size={module.max_seq_len} reads (+1 target); prepare the data with"
-                f" --seq_len {module.max_seq_len}"
-            )
-        batch.append((ids, mask))
-        if len(batch) == batch_size:
-            totals.add(*_scored_nll(module, batch))
-            batch = []
-    if batch:
-        totals.add(*_scored_nll(module, batch))
-    return totals, count
-
-
-def _scored_nll(
-    module: PretrainedLM, batch: list[tuple[np.ndarray, np.ndarray]]
-) -> tuple[torch.Tensor, torch.Tensor, None]:
-    """Each target's NLL, and which are scored, of examples padded on the right: the pads
-    come after a row's tokens, so causal attention keeps them out of every scored one."""
-    import torch
-
-    width = max(1, max(len(ids) for ids, _ in batch) - 1)
-    x = torch.zeros(len(batch), width, dtype=torch.long)
-    y = torch.zeros(len(batch), width, dtype=torch.long)
-    scored = torch.zeros(len(batch), width, dtype=torch.bool)
-    for row, (ids, mask) in enumerate(batch):
-        ids, n = torch.from_numpy(ids.astype("int64")), len(ids) - 1
-        x[row, :n], y[row, :n] = ids[:-1], ids[1:]
-        scored[row, :n] = torch.from_numpy(mask[1:].astype(bool))  # token t+1 is a target
-    device = module.device
-    return target_nll(module, x.to(device), y.to(device)), scored.to(device), None
+    return window_totals(module, windows, count, args.batch_size, token_bytes), count
 
 
 def folder_examples(data: EvalData, limit: int | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -429,6 +305,8 @@ def evaluate(module: PretrainedLM, data: EvalData, args: Namespace) -> dict[str,
     """The results of ``module`` (in eval mode, on its device) on ``data``."""
     import torch
 
+    from plugintrain.model_zoo.metrics import chat_totals
+
     with torch.inference_mode():
         if data.kind == TEXT:
             totals, examples = text_totals(module, data, args.seq_len or module.max_seq_len, args)
@@ -480,7 +358,7 @@ def _results(
     examples: int,
     scores: tuple[float, float] | None,
 ) -> dict[str, Any]:
-    loss = totals.nll / totals.tokens if totals.tokens else None
+    loss = totals.loss
     return {
         "weights": args.weights,
         "adapter": args.adapter,
@@ -490,7 +368,7 @@ def _results(
         "tokens": totals.tokens,
         "loss": loss,
         "perplexity": None if loss is None else math.exp(loss),
-        "bits_per_byte": totals.nll / (math.log(2) * totals.bytes) if totals.bytes else None,
+        "bits_per_byte": totals.bits_per_byte,
         "exact_match": None if scores is None else scores[0],
         "contains": None if scores is None else scores[1],
     }
@@ -528,53 +406,97 @@ def _options_problem(args: Namespace, data: EvalData) -> str | None:
     return None
 
 
-def _load(args: Namespace, data: EvalData, parser: ToolParser) -> PretrainedLM:
+def _load(args: Namespace, data: EvalData) -> PretrainedLM:
     """The model on its device, checked against ``data``; a mismatch ends the command."""
     try:
         device = pick_device(args.device)
         module = load_model(args.weights, args.adapter, merge=True)
         _check_tokenizer(data, module)
     except (FileNotFoundError, ValueError) as error:  # incl. unsafe or truncated files
-        parser.error(str(error))
+        raise ConfigError(str(error)) from None
     if args.seq_len is not None and args.seq_len > module.max_seq_len:
-        parser.error(
+        raise ConfigError(
             f"--seq_len {args.seq_len} exceeds the model's block_size={module.max_seq_len};"
             f" pass --seq_len {module.max_seq_len}, or drop it"
         )
     return module.to(device)
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run ``plugintrain evaluate``; prints the results (or writes them with ``--json``)."""
-    parser = _parser()
-    args = parser.parse_args(list(argv))
+@shared_help(weights=WEIGHTS_HELP, adapter=MERGED_ADAPTER_HELP, device=DEVICE_HELP)
+def evaluate_command(
+    *,
+    weights: str | None = None,
+    adapter: str | None = None,
+    data: str | None = None,
+    tasks: str | None = None,
+    include_path: str | None = None,
+    num_fewshot: int | None = None,
+    split: str | None = None,
+    seq_len: int | None = None,
+    max_new_tokens: int = 128,
+    batch_size: int = 8,
+    limit: int | None = None,
+    template: str | None = None,
+    json: str | None = None,
+    device: str | None = None,
+) -> int:
+    """Loss, perplexity, bits per byte, or a chat model's answers on held-out data.
+
+    Loss, perplexity and bits per byte of a model on held-out data, or a chat model's
+    answers against reference answers (or lm-evaluation-harness tasks: --tasks). Prints
+    the results, or writes them as JSON with --json.
+
+    Args:
+        weights: the model's weights
+        adapter: a LoRA run's or PEFT adapters on them
+        data: a folder of `plugintrain prepare text`/`shakespeare` (text) or `prepare
+            chat`, or a .jsonl/.json file of conversations ending with the reference answer
+        tasks: instead of --data: lm-evaluation-harness tasks, comma-separated (hellaswag,
+            gsm8k, or your own from --include_path), run by lm_eval with plugintrain's model
+        include_path: --tasks: a folder of your own lm-eval task YAMLs
+        num_fewshot: --tasks: few-shot examples
+        split: a folder's split (default: val)
+        seq_len: text: tokens a window (default: block_size)
+        max_new_tokens: chat: most tokens an answer
+        batch_size: windows or examples a batch
+        limit: the first N windows/examples
+        template: chat: a .jinja chat template, or plain (default: the model's own)
+        json: write the results as JSON to this file (-: stdout)
+        device: where the model runs
+    """
+    args = Namespace(**locals())  # the helpers below read the options by name
+    return _evaluate(args)
+
+
+def _evaluate(args: Namespace) -> int:
+    """``evaluate``'s work, its options checked first."""
     problem = _argument_problem(args)
     if problem is not None:
-        parser.error(problem)
+        raise ConfigError(problem)
     if args.tasks is not None:
-        return _run_tasks(args, parser)
+        return _run_tasks(args)
     try:
-        data = open_data(Path(args.data), args.split, args.limit)
+        found = open_data(Path(args.data), args.split, args.limit)
     except ValueError as error:
-        parser.error(str(error))
-    problem = _options_problem(args, data)
+        raise ConfigError(str(error)) from None
+    problem = _options_problem(args, found)
     if problem is not None:
-        parser.error(problem)
-    module = _load(args, data, parser)
+        raise ConfigError(problem)
+    module = _load(args, found)
     try:
-        results = evaluate(module, data, args)
+        results = evaluate(module, found, args)
     except (FileNotFoundError, ValueError) as error:  # the data, as the model reads it
-        parser.error(str(error))
+        raise ConfigError(str(error)) from None
     if args.json is None:
         print(table(results))
     elif args.json == "-":
-        print(json.dumps(results))
+        print(dumps(results))
     else:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        Path(args.json).write_text(dumps(results, indent=2) + "\n")
     return 0
 
 
-def _run_tasks(args: Namespace, parser: ToolParser) -> int:
+def _run_tasks(args: Namespace) -> int:
     """``--tasks``: lm-evaluation-harness's tasks on plugintrain's model
     (:class:`plugintrain.tools.lm_eval_model.PluginTrainLM`); lm-eval's table, or its
     ``results`` as JSON."""
@@ -584,31 +506,40 @@ def _run_tasks(args: Namespace, parser: ToolParser) -> int:
 
         from plugintrain.tools.lm_eval_model import PluginTrainLM
     except ImportError as error:
-        parser.error(f"--tasks runs lm-evaluation-harness: {error}; pip install lm_eval==0.4.13")
+        raise ConfigError(
+            f"--tasks runs lm-evaluation-harness: {error}; pip install lm_eval==0.4.13"
+        ) from None
     manager = TaskManager(include_path=args.include_path)
     tasks = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        parser.error(
+        raise ConfigError(
             f"--tasks {unknown[0]}: lm-eval knows no such task; `plugintrain lm-eval ls tasks`"
             " lists them (add --include_path for a folder of your own task YAMLs)"
         )
     try:
         model = PluginTrainLM(
-            weights=args.weights, adapter=args.adapter, device=args.device,
-            batch_size=args.batch_size, max_gen_toks=args.max_new_tokens,
-        )  # fmt: skip
+            weights=args.weights,
+            adapter=args.adapter,
+            device=args.device,
+            batch_size=args.batch_size,
+            max_gen_toks=args.max_new_tokens,
+        )
     except (FileNotFoundError, ValueError) as error:
-        parser.error(str(error))
+        raise ConfigError(str(error)) from None
     results = lm_eval.simple_evaluate(
-        model=model, tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit,
-        task_manager=manager, log_samples=False,
-    )  # fmt: skip
+        model=model,
+        tasks=tasks,
+        num_fewshot=args.num_fewshot,
+        limit=args.limit,
+        task_manager=manager,
+        log_samples=False,
+    )
     if args.json is None:
         from lm_eval.utils import make_table
 
         print(make_table(results))
     else:
-        text = json.dumps({"tasks": results["results"]}, indent=2, default=str)
+        text = dumps({"tasks": results["results"]}, indent=2, default=str)
         print(text) if args.json == "-" else Path(args.json).write_text(text + "\n")
     return 0

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import math
 from argparse import Namespace
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plugintrain.tools._args import ToolParser
+from plugintrain.cli_messages import ConfigError
+from plugintrain.tools._command import aliases, shared_help
 from plugintrain.tools._models import (
     ADAPTER_HELP,
     DEVICE_HELP,
@@ -30,81 +30,6 @@ if TYPE_CHECKING:
     from plugintrain.data import HFTokenizer, Tokenizer
     from plugintrain.data.tokenizers.chat_templates import ChatEncoder
     from plugintrain.model_zoo.generation import PretrainedLM
-
-
-def _parser() -> ToolParser:
-    parser = ToolParser(
-        prog="plugintrain generate",
-        description="Sample text from a CausalLM checkpoint, or answer conversations (--chat).",
-    )
-    parser.add_argument(
-        "--weights",
-        "--ckpt_path",
-        dest="ckpt_path",
-        default=None,
-        help=WEIGHTS_HELP,
-    )
-    parser.add_argument("--adapter", default=None, help=ADAPTER_HELP)
-    parser.add_argument(
-        "--merge-lora",
-        "--merge_lora",
-        dest="merge_lora",
-        action="store_true",
-        help="merge the --adapter into the base weights before generating (faster)",
-    )
-    parser.add_argument(
-        "--prompt", default=None, help="text to continue (not empty; default: a newline)"
-    )
-    _chat_options(parser)
-    parser.add_argument("--max_new_tokens", type=int, default=200, help="tokens to add (>= 1)")
-    parser.add_argument(
-        "--temperature", type=float, default=0.8, help="0 picks the most likely token (greedy)"
-    )
-    parser.add_argument(
-        "--top_k", type=int, default=200, help="sample among the k most likely (>= 1)"
-    )
-    parser.add_argument("--num_samples", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument(
-        "--tokenizer",
-        default=None,
-        help="gpt2, llama3, a pretrained model, or the path of a tokenizer.json, a directory"
-        " holding one or a .gguf file (default: the tokenizer that came with the model's"
-        " weights, else its family's)",
-    )
-    parser.add_argument(
-        "--no_cache",
-        action="store_true",
-        help="recompute attention each step; the context is cropped to the model's block_size",
-    )
-    parser.add_argument(
-        "--json", action="store_true", help="print one JSON object per sample (text and token ids)"
-    )
-    parser.add_argument("--device", default=None, help=DEVICE_HELP)
-    return parser
-
-
-def _chat_options(parser: ToolParser) -> None:
-    """``--chat FILE`` and the options that go with it."""
-    parser.add_argument(
-        "--chat",
-        default=None,
-        help='answer each conversation of a .jsonl file (one {"messages": [...]} a line) or a'
-        " .json file (a list of them), rendered in the model's chat template; prints each"
-        " with the answer appended, one JSON line per conversation",
-    )
-    parser.add_argument(
-        "--template",
-        default=None,
-        help="with --chat: a .jinja chat template, or plain (default: the model's own)",
-    )
-    parser.add_argument(
-        "--batch_size",
-        type=int,
-        default=None,
-        help="with --chat: most conversations answered together, among those whose prompts"
-        " are equally long (default: 8)",
-    )
 
 
 def _argument_problem(args: Namespace) -> str | None:
@@ -126,8 +51,7 @@ def _argument_problem(args: Namespace) -> str | None:
         return "pass --weights (a checkpoint or pretrained weights), or --adapter"
     if args.merge_lora and args.adapter is None:
         return "--merge-lora merges an --adapter; pass --adapter <a LoRA run's last.ckpt>"
-    weights = "--ckpt_path" if getattr(args, "spelled_ckpt_path", False) else "--weights"
-    return missing_path(weights, args.ckpt_path) or missing_path("--adapter", args.adapter)
+    return missing_path("--weights", args.ckpt_path) or missing_path("--adapter", args.adapter)
 
 
 def _chat_problem(args: Namespace) -> str | None:
@@ -206,7 +130,6 @@ def _print_answers(
     encoder: ChatEncoder,
     conversations: list[list[dict[str, str]]],
     args: Namespace,
-    parser: ToolParser,
 ) -> None:
     """Print each conversation with the model's answer appended, one JSON line each."""
     from plugintrain.model_zoo.generation import complete
@@ -215,7 +138,7 @@ def _print_answers(
     for n, prompt in enumerate(prompts, 1):
         problem = _prompt_problem(prompt, args, module)
         if problem is not None:
-            parser.error(f"{args.chat} conversation {n}: {problem}")
+            raise ConfigError(f"{args.chat} conversation {n}: {problem}")
     answers = complete(
         module.model,
         prompts,
@@ -231,9 +154,7 @@ def _print_answers(
         print(json.dumps({"messages": [*messages, reply]}, ensure_ascii=False), flush=True)
 
 
-def _load(
-    args: Namespace, parser: ToolParser
-) -> tuple[PretrainedLM, Tokenizer | HFTokenizer, ChatEncoder | None]:
+def _load(args: Namespace) -> tuple[PretrainedLM, Tokenizer | HFTokenizer, ChatEncoder | None]:
     """The model on its device, the tokenizer of the prompts and, with ``--chat``, the
     encoder of the conversations; a bad option ends the command with one line."""
     from plugintrain.data import get_tokenizer
@@ -246,7 +167,7 @@ def _load(
         tokenizer = tokenizer or get_tokenizer(spec)
         encoder = None if args.chat is None else _chat_encoder(tokenizer, spec, args.template)
     except (FileNotFoundError, ValueError) as error:  # incl. unsafe or truncated files
-        parser.error(str(error))
+        raise ConfigError(str(error)) from None
     return module.to(device).eval(), tokenizer, encoder
 
 
@@ -259,32 +180,81 @@ def _chat_encoder(
     return ChatEncoder(tokenizer, load_chat_template(spec, template))
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run ``plugintrain generate``; prints each sample (or answer) to stdout."""
-    parser = _parser()
-    args = parser.parse_args(list(argv))
-    args.spelled_ckpt_path = any(a.startswith("--ckpt_path") for a in argv)  # for messages
+@aliases(weights="--ckpt_path", merge_lora="--merge-lora")
+@shared_help(weights=WEIGHTS_HELP, adapter=ADAPTER_HELP, device=DEVICE_HELP)
+def generate(
+    *,
+    weights: str | None = None,
+    adapter: str | None = None,
+    merge_lora: bool = False,
+    prompt: str | None = None,
+    chat: str | None = None,
+    template: str | None = None,
+    batch_size: int | None = None,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 200,
+    num_samples: int = 1,
+    seed: int = 1337,
+    tokenizer: str | None = None,
+    no_cache: bool = False,
+    json: bool = False,
+    device: str | None = None,
+) -> int:
+    """Sample text from a checkpoint or pretrained weights, or answer conversations (--chat).
+
+    Args:
+        weights: the model's weights
+        adapter: a LoRA run's or PEFT adapters on them
+        merge_lora: merge the --adapter into the base weights before generating (faster)
+        prompt: text to continue (not empty; default: a newline)
+        chat: answer each conversation of a .jsonl file (one {"messages": [...]} a line) or
+            a .json file (a list of them), rendered in the model's chat template; prints
+            each with the answer appended, one JSON line per conversation
+        template: with --chat: a .jinja chat template, or plain (default: the model's own)
+        batch_size: with --chat: most conversations answered together, among those whose
+            prompts are equally long (default: 8)
+        max_new_tokens: tokens to add (>= 1)
+        temperature: 0 picks the most likely token (greedy)
+        top_k: sample among the k most likely (>= 1)
+        num_samples: samples drawn from the prompt
+        seed: seed of the sampling
+        tokenizer: gpt2, llama3, a pretrained model, or the path of a tokenizer.json, a
+            directory holding one or a .gguf file (default: the tokenizer that came with
+            the model's weights, else its family's)
+        no_cache: recompute attention each step; the context is cropped to the model's
+            block_size
+        json: print one JSON object per sample (text and token ids)
+        device: where the model runs
+    """
+    args = Namespace(**locals())  # the helpers below read the options by name
+    return _generate(args)
+
+
+def _generate(args: Namespace) -> int:
+    """``generate``'s work, its options checked first."""
+    args.ckpt_path = args.weights
     problem = _argument_problem(args)
     if problem is not None:
-        parser.error(problem)
+        raise ConfigError(problem)
     try:
         conversations = None if args.chat is None else read_conversations(Path(args.chat))
     except ValueError as error:
-        parser.error(str(error))
+        raise ConfigError(str(error)) from None
 
     import torch
 
     torch.manual_seed(args.seed)
-    module, tokenizer, encoder = _load(args, parser)
+    module, tokens, encoder = _load(args)
     if encoder is not None:
-        _print_answers(module, tokenizer, encoder, conversations, args, parser)
+        _print_answers(module, tokens, encoder, conversations, args)
         return 0
     # BOS as the family's own tokenizer does it (Llama 3 leads every text with it; GPT-2
     # and SmolLM2 do not), read from the tokenizer's configuration, as llama.cpp does.
     text = "\n" if args.prompt is None else args.prompt
-    prompt = tokenizer.encode(text, bos=bool(getattr(tokenizer, "add_bos", False)))
-    problem = _prompt_problem(prompt, args, module)
+    ids = tokens.encode(text, bos=bool(getattr(tokens, "add_bos", False)))
+    problem = _prompt_problem(ids, args, module)
     if problem is not None:
-        parser.error(problem)
-    _print_samples(module, tokenizer, prompt, args)
+        raise ConfigError(problem)
+    _print_samples(module, tokens, ids, args)
     return 0

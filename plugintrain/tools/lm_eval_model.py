@@ -197,10 +197,10 @@ class PluginTrainLM(TemplateLM):
             budget = int(kwargs.pop("max_gen_toks"))
             prompt = self.tok_encode(context, left_truncate_len=self.max_length - budget)
             produced: list[int] = []
+            ids = torch.tensor([prompt], device=self._device)
             steps = generate_tokens(
-                self.module.model, torch.tensor([prompt], device=self._device), budget,
-                temperature=0.0, stop_ids=[self.eot_token_id],
-            )  # fmt: skip
+                self.module.model, ids, budget, temperature=0.0, stop_ids=[self.eot_token_id]
+            )
             for step in steps:
                 produced.append(int(step[0, 0]))
                 text = self.tok_decode(produced)

@@ -20,7 +20,6 @@ from importlib.resources import files
 from pathlib import Path, PurePath
 
 from plugintrain.cli_messages import ConfigError
-from plugintrain.tools._args import ToolParser
 
 PACKAGE = "plugintrain.recipes"
 SUFFIX = ".yaml"
@@ -98,19 +97,6 @@ def _as_name(value: str) -> str:
     return PurePath(value).name.removesuffix(SUFFIX)
 
 
-def _parser() -> ToolParser:
-    parser = ToolParser(
-        prog="plugintrain recipes",
-        description="List the recipes shipped with plugintrain, or print one of them."
-        " `plugintrain fit --config NAME` trains a recipe by its name; copy one to edit it:"
-        " plugintrain recipes gpt2_debug_shakespeare_cpu > my.yaml",
-    )
-    parser.add_argument(
-        "name", nargs="?", metavar="NAME", help="print this recipe's YAML (default: list them)"
-    )
-    return parser
-
-
 def _listing() -> str:
     """Every packaged recipe with its description, in aligned columns."""
     names = recipe_names()
@@ -120,15 +106,19 @@ def _listing() -> str:
     return "\n".join([header, *rows, "", "plugintrain recipes NAME prints one."])
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run ``plugintrain recipes [NAME]``: the list, or the named recipe's YAML."""
-    parser = _parser()
-    args = parser.parse_args(list(argv))
-    if args.name is None:
+def recipes(name: str | None = None) -> int:
+    """List the recipes shipped with plugintrain, or print one to copy and edit.
+
+    `plugintrain fit --config NAME` trains a recipe by its name; copy one to edit it:
+    plugintrain recipes gpt2_debug_shakespeare_cpu > my.yaml
+
+    Args:
+        name: print this recipe's YAML (default: list them)
+    """
+    if name is None:
         print(_listing())
-    elif _as_name(args.name) in recipe_names():
-        sys.stdout.write(recipe_path(_as_name(args.name)).read_text())
+    elif _as_name(name) in recipe_names():
+        sys.stdout.write(recipe_path(_as_name(name)).read_text())
     else:
-        print(f"plugintrain recipes: error: {no_recipe(args.name)}", file=sys.stderr)
-        return 2
+        raise ConfigError(no_recipe(name))
     return 0

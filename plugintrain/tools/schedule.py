@@ -14,71 +14,31 @@ Exit status: 0 on success, 2 on bad input (a layout the schedule cannot run).
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from json import dumps
+from typing import TYPE_CHECKING, Any, Literal
+
+from plugintrain.cli_messages import ConfigError
+from plugintrain.tools._command import aliases
 
 if TYPE_CHECKING:
     from plugintrain.strategies.pipeline_schedules import Simulation
 
 
-def _time(text: str) -> Fraction:
-    """A positive duration: ``1``, ``1.5`` or ``3/2``."""
+def _time(option: str, text: str) -> Fraction:
+    """A positive duration: ``1``, ``1.5`` or ``3/2``.
+
+    Raises:
+        ConfigError: If ``text`` is not a number > 0.
+    """
     try:
         value = Fraction(text)
     except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise ConfigError(f"--{option} {text!r}: not a number; give e.g. 1, 1.5 or 3/2") from None
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        raise ConfigError(f"--{option} {text}: must be > 0")
     return value
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="plugintrain schedule",
-        description="Print a pipeline schedule and simulate it (bubble, idle, memory).",
-    )
-    parser.add_argument("--pp", type=int, required=True, help="pipeline-parallel ranks")
-    parser.add_argument("--vpp", type=int, default=1, help="model chunks per rank (default 1)")
-    parser.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    parser.add_argument(
-        "--schedule",
-        choices=("gpipe", "1f1b", "interleaved"),
-        default=None,
-        help="default: 1f1b when --vpp is 1, else interleaved",
-    )
-    parser.add_argument(
-        "--forward-time",
-        type=_time,
-        default=Fraction(1),
-        help="time of one micro-batch's forward on one rank (default 1)",
-    )
-    parser.add_argument(
-        "--backward-time",
-        type=_time,
-        default=Fraction(2),
-        help="time of one micro-batch's backward on one rank (default 2)",
-    )
-    parser.add_argument(
-        "--forward-only", action="store_true", help="forwards alone, as in evaluation"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
-    measured = parser.add_argument_group(
-        "measured stage times (instead of --forward-time/--backward-time)",
-        "Time one micro-batch through the embedding, one block and the head of a preset on"
-        " this machine and simulate the split (what layers_per_stage: auto does in fit).",
-    )
-    measured.add_argument("--model", default=None, help="a preset, e.g. gpt2-debug")
-    measured.add_argument("--n-layer", type=int, default=None, help="blocks (default: preset's)")
-    measured.add_argument("--micro-batch-size", type=int, default=1, help="sequences (default 1)")
-    measured.add_argument("--seq-len", type=int, default=128, help="tokens (default 128)")
-    measured.add_argument(
-        "--layers-per-stage", default="auto", help="'auto' (default) or blocks per stage: 5,3"
-    )
-    return parser
 
 
 def _number(value: Fraction) -> int | float:
@@ -110,22 +70,67 @@ def to_json(sim: Simulation) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str]) -> int:
-    """Entry point of ``plugintrain schedule``; returns 0, or 2 on bad input."""
+@aliases(
+    forward_time="--forward-time",
+    backward_time="--backward-time",
+    forward_only="--forward-only",
+    n_layer="--n-layer",
+    micro_batch_size="--micro-batch-size",
+    seq_len="--seq-len",
+    layers_per_stage="--layers-per-stage",
+)
+def schedule(
+    *,
+    pp: int,
+    microbatches: int,
+    vpp: int = 1,
+    schedule: Literal["gpipe", "1f1b", "interleaved"] | None = None,
+    forward_time: str = "1",
+    backward_time: str = "2",
+    forward_only: bool = False,
+    json: bool = False,
+    model: str | None = None,
+    n_layer: int | None = None,
+    micro_batch_size: int = 1,
+    seq_len: int = 128,
+    layers_per_stage: str = "auto",
+) -> int:
+    """Print a pipeline schedule and simulate it (bubble, idle, memory).
+
+    With ``--model``, the stage times are measured instead of given: one micro-batch
+    through the embedding, one block and the head of a preset, timed on this machine, and
+    the split simulated (what ``layers_per_stage: auto`` does in fit).
+
+    Args:
+        pp: pipeline-parallel ranks
+        microbatches: micro-batches per step
+        vpp: model chunks per rank
+        schedule: default: 1f1b when --vpp is 1, else interleaved
+        forward_time: time of one micro-batch's forward on one rank (1, 1.5 or 3/2)
+        backward_time: time of one micro-batch's backward on one rank
+        forward_only: forwards alone, as in evaluation
+        json: print one JSON object instead
+        model: measure the stage times of this preset (e.g. gpt2-debug) instead of
+            --forward-time/--backward-time
+        n_layer: with --model: blocks (default: the preset's)
+        micro_batch_size: with --model: sequences per micro-batch
+        seq_len: with --model: tokens per sequence
+        layers_per_stage: with --model: 'auto' or blocks per stage, e.g. 5,3
+    """
     from plugintrain.strategies.pipeline_schedules import build_schedule, simulate
 
-    args = _parser().parse_args(list(argv))
-    name = args.schedule or ("1f1b" if args.vpp == 1 else "interleaved")
+    times = _time("forward-time", forward_time), _time("backward-time", backward_time)
+    name = schedule or ("1f1b" if vpp == 1 else "interleaved")
     try:
-        schedule = build_schedule(name, args.pp, args.vpp, args.microbatches, args.forward_only)
+        built = build_schedule(name, pp, vpp, microbatches, forward_only)
     except ValueError as error:
-        print(f"plugintrain schedule: error: {error}", file=sys.stderr)
-        return 2
-    if args.model is not None:
-        return _measured(args, name)
-    sim = simulate(schedule, args.forward_time, args.backward_time, rendezvous=True)
-    if args.json:
-        print(json.dumps(to_json(sim)))
+        raise ConfigError(str(error)) from None
+    if model is not None:
+        layout = _Measured(model, n_layer, micro_batch_size, seq_len, layers_per_stage)
+        return _measured(layout, pp, vpp, microbatches, name, json)
+    sim = simulate(built, *times, rendezvous=True)
+    if json:
+        print(dumps(to_json(sim)))
     else:
         print(sim.grid())
         print()
@@ -133,7 +138,18 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _measured(args: argparse.Namespace, name: str) -> int:
+@dataclass(frozen=True)
+class _Measured:
+    """``schedule --model``'s options: what is timed."""
+
+    model: str
+    n_layer: int | None
+    micro_batch_size: int
+    seq_len: int
+    layers_per_stage: str
+
+
+def _measured(m: _Measured, pp: int, vpp: int, microbatches: int, name: str, json: bool) -> int:
     """Simulate with stage times measured on this machine; pick the split for ``auto``."""
     import torch
 
@@ -141,46 +157,45 @@ def _measured(args: argparse.Namespace, name: str) -> int:
     from plugintrain.strategies.balance import choose_split, measure_one_block, simulate_split
 
     try:
-        config = TransformerConfig.from_name(args.model)
-        n_layer = args.n_layer or config.n_layer
-        if args.layers_per_stage != "auto":  # checked before anything is timed
-            _counts(args.layers_per_stage, n_layer, args.pp * args.vpp)
-        if args.seq_len > config.block_size:
+        config = TransformerConfig.from_name(m.model)
+        n_layer = m.n_layer or config.n_layer
+        if m.layers_per_stage != "auto":  # checked before anything is timed
+            _counts(m.layers_per_stage, n_layer, pp * vpp)
+        if m.seq_len > config.block_size:
             raise ValueError(
-                f"seq_len={args.seq_len} exceeds {args.model}'s block_size={config.block_size}"
+                f"seq_len={m.seq_len} exceeds {m.model}'s block_size={config.block_size}"
             )
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         costs = measure_one_block(
             lambda: Transformer(config.one_block()),
             config.vocab_size,
-            args.micro_batch_size,
-            args.seq_len,
+            m.micro_batch_size,
+            m.seq_len,
             device,
         )
-        if args.layers_per_stage == "auto":
-            balance = choose_split(costs, n_layer, args.pp, args.vpp, name, args.microbatches)
+        if m.layers_per_stage == "auto":
+            balance = choose_split(costs, n_layer, pp, vpp, name, microbatches)
             counts, sim = balance.layers_per_stage, balance.simulation
         else:
-            counts = _counts(args.layers_per_stage, n_layer, args.pp * args.vpp)
-            sim = simulate_split(costs, counts, args.pp, args.vpp, name, args.microbatches)
+            counts = _counts(m.layers_per_stage, n_layer, pp * vpp)
+            sim = simulate_split(costs, counts, pp, vpp, name, microbatches)
     except ValueError as error:
-        print(f"plugintrain schedule: error: {error}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(error)) from None
     ms = [round(1000 * t, 3) for t in (*costs.embed, *costs.block, *costs.head)]
-    if args.json:
-        print(json.dumps({**to_json(sim), "layers_per_stage": list(counts), "costs_ms": ms}))
+    if json:
+        print(dumps({**to_json(sim), "layers_per_stage": list(counts), "costs_ms": ms}))
         return 0
     print(
-        f"{args.model} (n_layer={n_layer}), micro-batch {args.micro_batch_size} x"
-        f" {args.seq_len}, forward/backward ms: embedding {ms[0]}/{ms[1]}, block"
+        f"{m.model} (n_layer={n_layer}), micro-batch {m.micro_batch_size} x"
+        f" {m.seq_len}, forward/backward ms: embedding {ms[0]}/{ms[1]}, block"
         f" {ms[2]}/{ms[3]}, head + loss {ms[4]}/{ms[5]}"
     )
-    equal = n_layer // (args.pp * args.vpp)
-    if n_layer % (args.pp * args.vpp) == 0:
-        base = simulate_split(costs, [equal] * args.pp * args.vpp, args.pp, args.vpp, name,
-                              args.microbatches)  # fmt: skip
+    stages = pp * vpp
+    if n_layer % stages == 0:
+        equal = [n_layer // stages] * stages
+        base = simulate_split(costs, equal, pp, vpp, name, microbatches)
         print(
-            f"equal split {[equal] * args.pp * args.vpp}: step {float(base.makespan) / 1e3:.1f}"
+            f"equal split {equal}: step {float(base.makespan) / 1e3:.1f}"
             f" ms, bubble {float(base.bubble_fraction):.1%}"
         )
     print(

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plugintrain.callbacks import LoRA
+from plugintrain.core.contracts import HoldsGradients
 from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.estimate import Layout, estimate
 from plugintrain.model_zoo import CausalLM, TransformerConfig
@@ -114,9 +115,8 @@ class _HeldAfterStep(L.Callback):
         params = list(module.parameters())
         optimizer = trainer.optimizers[0]
         stepped = [p for group in optimizer.param_groups for p in group["params"]]
-        binding = getattr(trainer.strategy, "_binding", None)
-        buckets = binding.engine._layout.buckets if binding is not None and binding.bound else []
-        engine_grads = [t for b in buckets for t in (b.grads, b.shard_grads, b.shard_pending)]
+        strategy = trainer.strategy  # the gradient engine's buckets or shards, if it holds any
+        engine_grads = strategy.gradient_buffers() if isinstance(strategy, HoldsGradients) else []
         states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         self.held = {
             "parameters": _storage_bytes(params),

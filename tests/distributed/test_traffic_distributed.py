@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from plugintrain.estimate import Layout
-from plugintrain.estimate.dry_run import _TrafficRecorder
+from plugintrain.estimate.dry_run import TrafficRecorder
 from plugintrain.estimate.timing import formula_costs
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import BF16MixedPrecision
@@ -58,12 +58,12 @@ class _Recorded(L.Callback):
     """Every collective of the first training batch, from its start to its end."""
 
     def __init__(self) -> None:
-        self.recorder: _TrafficRecorder | None = None
+        self.recorder: TrafficRecorder | None = None
         self.traffic: dict[tuple[str, str], int] = {}
         self.sent = 0
 
     def on_train_batch_start(self, trainer: L.Trainer, *_: Any) -> None:
-        self.recorder = _TrafficRecorder(trainer.strategy.device_mesh, trainer.global_rank)
+        self.recorder = TrafficRecorder(trainer.strategy.device_mesh, trainer.global_rank)
         self.recorder.__enter__()
 
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:

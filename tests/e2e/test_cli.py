@@ -313,14 +313,11 @@ def test_generate_beyond_the_context_names_the_options_that_fit(gpt2_run: Path, 
     ckpt = f"--ckpt_path={gpt2_run.parent / 'checkpoints' / 'last.ckpt'}"
     prompt = "ROMEO: " * 83  # 250 GPT-2 tokens of the model's 256
     args = ["generate", ckpt, f"--prompt={prompt}", "--temperature=0", "--json"]
-    with pytest.raises(SystemExit) as exit_info:
-        main([*args, "--max_new_tokens=10"])
-    assert exit_info.value.code == 2
+    assert main([*args, "--max_new_tokens=10"]) == 2
     assert capsys.readouterr().err == (
         "plugintrain generate: error: the prompt's 250 tokens + --max_new_tokens 10 = 260"
         " exceed the model's block_size=256; pass --max_new_tokens 6, or --no_cache to"
-        " crop the context to the last 256 tokens (`plugintrain generate --help` lists the"
-        " options)\n"
+        " crop the context to the last 256 tokens\n"
     )
     assert main([*args, "--max_new_tokens", "6"]) == 0  # either fix, as given, works
     assert len(json.loads(capsys.readouterr().out)["tokens"]) == 256

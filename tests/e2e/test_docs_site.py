@@ -22,7 +22,7 @@ import pytest
 from _processes import run_command
 
 from plugintrain.cli import TRAINING_COMMANDS
-from plugintrain.tools import TOOLS
+from plugintrain.tools import COMMANDS
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +80,7 @@ def test_every_link_between_pages_resolves(site: Path) -> None:
 
 
 def test_the_cli_reference_is_every_command_s_own_help(site: Path) -> None:
-    for command in (*TRAINING_COMMANDS, *TOOLS):
+    for command in (*TRAINING_COMMANDS, *COMMANDS):
         page = site / "reference" / "cli" / command / "index.html"
         assert page.is_file(), command
         if command != "lm-eval":  # lm-evaluation-harness's own parser and prog

@@ -11,6 +11,7 @@ import pytest
 import regex
 from transformers import AutoTokenizer
 
+from plugintrain.core.gguf_header import read_gguf_metadata
 from plugintrain.data import (
     HFTokenizer,
     fetch_asset,
@@ -19,7 +20,6 @@ from plugintrain.data import (
     read_token_bin,
 )
 from plugintrain.data.assets import resolve_model_path
-from plugintrain.data.tokenizers.gguf_metadata import read_gguf_metadata
 
 
 @pytest.fixture(scope="module")

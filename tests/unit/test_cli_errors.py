@@ -22,10 +22,17 @@ from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.cli_messages import ConfigError, user_message
 from plugintrain.data import write_token_bin
 from plugintrain.strategies import STRATEGY_NAMES
-from plugintrain.tools.prepare import _parser as prepare_parser
+from plugintrain.tools._command import parse
+from plugintrain.tools.prepare import PREPARE
 
 REPO = Path(__file__).resolve().parents[2]
 GPT2_RECIPE = REPO / "recipes" / "gpt2_debug_shakespeare_cpu.yaml"
+
+
+def _prepare_args(words: list[str]) -> SimpleNamespace:
+    """What ``plugintrain prepare WORDS`` parses to (nothing runs): its dataset and options."""
+    options = parse(PREPARE.commands[words[0]], words[1:], f"plugintrain prepare {words[0]}")
+    return SimpleNamespace(dataset=words[0], **options)
 
 
 def _token_dir(path: Path, tokenizer: str = "gpt2", vocab_size: int = 50257) -> Path:
@@ -118,7 +125,7 @@ def test_token_files_of_another_tokenizer_name_a_prepare_command_that_fits(
         f" reads llama3 tokens; prepare them with `plugintrain prepare shakespeare"
         f" --tokenizer llama3 --out {out}` and pass `--data.init_args.data_dir {out}`"
     )
-    args = prepare_parser().parse_args(_hinted_command(line)[2:])
+    args = _prepare_args(_hinted_command(line)[2:])
     assert (args.dataset, args.tokenizer, args.out, args.overwrite) == (
         "shakespeare", "llama3", str(out), False,
     )  # fmt: skip
@@ -140,7 +147,7 @@ def test_a_dir_named_for_the_model_but_holding_other_tokens_is_overwritten(
 ) -> None:
     wrong = _token_dir(tmp_path / "shakespeare_llama3", tokenizer="gpt2")
     line = _fit_error(capfd, tmp_path, wrong, "--model.init_args.config=llama3-debug")
-    args = prepare_parser().parse_args(_hinted_command(line)[2:])
+    args = _prepare_args(_hinted_command(line)[2:])
     assert (args.tokenizer, args.out, args.overwrite) == ("llama3", str(wrong), True)
 
 
@@ -151,7 +158,7 @@ def test_missing_token_files_name_the_model_s_tokenizer(capfd, tmp_path: Path) -
         f"plugintrain fit: error: token file {missing / 'train.bin'} not found; create it with"
         f" `plugintrain prepare shakespeare --tokenizer llama3 --out '{missing}'`"
     )
-    args = prepare_parser().parse_args(_hinted_command(line)[2:])
+    args = _prepare_args(_hinted_command(line)[2:])
     assert (args.tokenizer, args.out) == ("llama3", str(missing))
 
 

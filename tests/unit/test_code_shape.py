@@ -356,3 +356,375 @@ def test_a_planted_formatting_skip_is_found() -> None:
         "register(x)  # fmt: skip\n"
     )
     assert _formatting_skips("m", source) == ["m:5", "m:6", "m:8"]
+
+
+# A strategy name is declared once, in the registry; everything else reads it from there.
+STRATEGY_REGISTRY = "plugintrain.strategies.registry"
+
+
+def _strategy_names() -> set[str]:
+    """The registered names (the registry is plain data: importing it loads no torch)."""
+    from plugintrain.strategies.registry import STRATEGY_NAMES
+
+    return set(STRATEGY_NAMES)
+
+
+def _elif_tests(node: ast.If) -> list[ast.expr]:
+    """The tests of an ``if``/``elif`` chain, from ``node`` down."""
+    tests = [node.test]
+    while len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If):
+        node = node.orelse[0]
+        tests.append(node.test)
+    return tests
+
+
+def _strategy_name_lists(name: str, tree: ast.AST, names: set[str]) -> list[str]:
+    """Each place outside the registry that spells out two or more strategy names: a
+    tuple, list, set or dict literal holding them (a table's rows included), a boolean
+    chain of comparisons (``s == "zero1" or s == "zero2"``) or an ``if``/``elif`` chain
+    testing them. One name alone (``strategy == "hybrid"``) is a use, not a list."""
+    if name == STRATEGY_REGISTRY:
+        return []
+    found: list[str] = []
+
+    def visit(node: ast.AST) -> None:
+        parts: list[ast.AST] = []
+        if isinstance(node, ast.Tuple | ast.List | ast.Set | ast.Dict | ast.BoolOp):
+            parts = [node]
+        elif isinstance(node, ast.If):
+            parts = list(_elif_tests(node))
+        spelled = {
+            n.value
+            for part in parts
+            for n in ast.walk(part)
+            if isinstance(n, ast.Constant) and n.value in names
+        }
+        if len(spelled) > 1:
+            found.append(f"{name}:{node.lineno}")
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_strategy_names_are_written_only_in_the_registry() -> None:
+    names = _strategy_names()
+    bad = [
+        hit for name, tree in _trees().items() for hit in _strategy_name_lists(name, tree, names)
+    ]
+    assert bad == [], f"read these from {STRATEGY_REGISTRY} instead of listing them"
+
+
+def test_a_planted_second_strategy_list_is_found() -> None:
+    names = _strategy_names()
+    module = "plugintrain.bench.gpu_checks"
+    source = (
+        'STRATEGIES = ("ddp_bucketed", "zero1")\n'
+        "ENTRIES = ((\"zero1\", 1), ('zero2', 2))\n"
+        "def one_process(s):\n"
+        '    return s == "zero2" or s != "hybrid"\n'
+        "def chosen(s):\n"
+        '    if s == "pipeline":\n'
+        "        return 1\n"
+        '    elif s == "hybrid":\n'
+        "        return 2\n"
+        '    return s == "hybrid"\n'
+    )
+    trees = _trees()
+    planted = _plant(trees, module, source)
+    assert _strategy_name_lists(module, trees[module], names) == []
+    assert _strategy_name_lists(module, planted[module], names) == [
+        f"{module}:1",
+        f"{module}:2",
+        f"{module}:4",
+        f"{module}:6",
+    ]
+    # The registry itself is where they are written.
+    registry = _plant(trees, STRATEGY_REGISTRY, source)[STRATEGY_REGISTRY]
+    assert _strategy_name_lists(STRATEGY_REGISTRY, registry, names) == []
+
+
+# A weight format is declared once, in its registry; everything else reads it from there.
+FORMAT_REGISTRY = "plugintrain.formats.registry"
+
+
+def _format_names() -> set[str]:
+    """The registered format names (the registry imports nothing heavy)."""
+    from plugintrain.formats.registry import FORMATS
+
+    return set(FORMATS)
+
+
+def _format_switches(name: str, tree: ast.AST, names: set[str]) -> list[str]:
+    """Each place outside the format registry that spells out two or more format names (a
+    switch on the format: ``fmt in ("hf", "llmc")``, an ``if``/``elif`` chain, a dict of
+    readers): the same finder as for strategy names, with the format registry as home."""
+    return [] if name == FORMAT_REGISTRY else _strategy_name_lists(name, tree, names)
+
+
+def test_formats_are_switched_on_only_in_the_registry() -> None:
+    names = _format_names()
+    bad = [hit for name, tree in _trees().items() for hit in _format_switches(name, tree, names)]
+    assert bad == [], f"read these from {FORMAT_REGISTRY} (FormatSpec) instead of listing them"
+
+
+def test_a_planted_format_switch_is_found() -> None:
+    names = _format_names()
+    module = "plugintrain.formats.sources"
+    source = (
+        "def reader(kind, path):\n"
+        '    if kind == "hf":\n'
+        "        return 1\n"
+        '    elif kind == "gguf":\n'
+        "        return 2\n"
+        'READERS = {"llmc": 1, "checkpoint": 2}\n'
+        "def writes_files(fmt):\n"
+        '    return fmt in ("llmc", "gguf") and fmt != "peft"\n'
+        "def own(kind):\n"
+        '    return kind == "checkpoint"\n'
+    )
+    trees = _trees()
+    planted = _plant(trees, module, source)
+    assert _format_switches(module, trees[module], names) == []
+    assert _format_switches(module, planted[module], names) == [
+        f"{module}:2",
+        f"{module}:6",
+        f"{module}:8",
+    ]
+    registry = _plant(trees, FORMAT_REGISTRY, source)[FORMAT_REGISTRY]
+    assert _format_switches(FORMAT_REGISTRY, registry, names) == []
+
+
+def _family_names() -> set[str]:
+    """Every family's name, as its module's ``FamilySpec(name=...)`` spells it."""
+    return {
+        keyword.value.value
+        for name, tree in _trees().items()
+        if name.startswith("plugintrain.model_zoo.")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "FamilySpec"
+        for keyword in node.keywords
+        if keyword.arg == "name" and isinstance(keyword.value, ast.Constant)
+    }
+
+
+def _family_branches(name: str, tree: ast.AST, families: set[str]) -> list[str]:
+    """Each comparison of ``name`` (a formats module) with a family name literal
+    (``config.family == "gpt2"``, ``arch in ("gpt2",)``): what differs by family is a
+    ``FamilySpec`` field."""
+    if not name.startswith("plugintrain.formats."):
+        return []
+    return [
+        f"{name}:{node.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Compare)
+        and any(isinstance(c, ast.Constant) and c.value in families for c in ast.walk(node))
+    ]
+
+
+def test_formats_read_family_differences_from_the_family_spec() -> None:
+    families = _family_names()
+    assert {"gpt2", "llama3", "qwen3"} <= families
+    bad = [hit for name, tree in _trees().items() for hit in _family_branches(name, tree, families)]
+    assert bad == [], "add a FamilySpec field (model_zoo/family_spec.py) and read it instead"
+
+
+def test_a_planted_family_branch_is_found() -> None:
+    families = _family_names()
+    module = "plugintrain.formats.peft_adapters"
+    source = (
+        "def conv1d(config):\n"
+        '    return config.family == "gpt2"\n'
+        "def rope(arch):\n"
+        '    return arch in ("llama3", "qwen3")\n'
+        'NAMES = {"gpt2": 1}\n'
+    )
+    trees = _trees()
+    assert _family_branches(module, trees[module], families) == []
+    planted = _plant(trees, module, source)[module]
+    assert _family_branches(module, planted, families) == [f"{module}:2", f"{module}:4"]
+    # Outside the formats package a family's own module may name itself.
+    model = "plugintrain.model_zoo.gpt2"
+    assert _family_branches(model, _plant(trees, model, source)[model], families) == []
+
+
+# Lightning's privates are reached only through the seam (issue 43, part 6).
+LIGHTNING_SEAM = "plugintrain.core.lightning_seam"
+LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
+# Names under which the library holds Lightning objects: a private attribute read or
+# written through one of them (`trainer._logger_connector`, `self.lightning_module._x`)
+# belongs in the seam.
+LIGHTNING_OBJECTS = {
+    "trainer",
+    "pl_module",
+    "lightning_module",
+    "fit_loop",
+    "epoch_loop",
+    "strategy",
+    "precision_plugin",
+    "checkpoint_callback",
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.endswith("__")
+
+
+def _private_lightning_imports(name: str, tree: ast.AST) -> list[str]:
+    """Each import of a private Lightning name or module outside the seam."""
+    if name == LIGHTNING_SEAM:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # The module's path and the names taken from it.
+            paths = [[*node.module.split("."), alias.name] for alias in node.names]
+        elif isinstance(node, ast.Import):
+            paths = [alias.name.split(".") for alias in node.names]
+        else:
+            continue
+        if any(p[0] in LIGHTNING_PACKAGES and any(map(_private, p)) for p in paths):
+            found.append(f"{name}: {ast.unparse(node)}")
+    return found
+
+
+def _chain(node: ast.expr) -> list[str]:
+    """The names an attribute chain goes through: ``a.b().c[0]`` -> a, b, c."""
+    names = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Call | ast.Subscript):
+            node = node.func if isinstance(node, ast.Call) else node.value
+        elif isinstance(node, ast.Name):
+            return [node.id, *reversed(names)]
+        else:
+            return list(reversed(names))
+
+
+def _private_lightning_attributes(name: str, tree: ast.AST) -> list[str]:
+    """Each private attribute reached through a Lightning object outside the seam."""
+    if name == LIGHTNING_SEAM:
+        return []
+    return [
+        f"{name}: {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and _private(node.attr)
+        and LIGHTNING_OBJECTS & set(_chain(node.value))
+    ]
+
+
+def _declared_overrides(trees: dict[str, ast.Module]) -> set[str]:
+    """The project methods the seam's ``OVERRIDDEN`` names (read from its source)."""
+    for node in trees[LIGHTNING_SEAM].body:
+        if isinstance(node, ast.AnnAssign | ast.Assign) and "OVERRIDDEN" in ast.unparse(node):
+            return {
+                n.value
+                for n in ast.walk(node)
+                if isinstance(n, ast.Constant) and str(n.value).startswith("plugintrain.")
+            }
+    return set()
+
+
+def _undeclared_private_overrides(name: str, tree: ast.AST, declared: set[str]) -> list[str]:
+    """Each private method marked ``@override`` (a hook of a Lightning or torch base
+    class) that the seam's ``OVERRIDDEN`` does not name."""
+    found = []
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for method in cls.body:
+            if not isinstance(method, ast.FunctionDef) or not _private(method.name):
+                continue
+            marked = any(ast.unparse(d).endswith("override") for d in method.decorator_list)
+            qualified = f"{name}.{cls.name}.{method.name}"
+            if marked and qualified not in declared:
+                found.append(qualified)
+    return found
+
+
+def test_no_private_lightning_name_is_imported_outside_the_seam() -> None:
+    bad = [hit for name, tree in _trees().items() for hit in _private_lightning_imports(name, tree)]
+    assert bad == [], f"import these through {LIGHTNING_SEAM}"
+
+
+def test_no_private_attribute_of_a_lightning_object_is_used_outside_the_seam() -> None:
+    trees = _trees()
+    bad = [hit for name, tree in trees.items() for hit in _private_lightning_attributes(name, tree)]
+    assert bad == [], f"reach these through a function of {LIGHTNING_SEAM}"
+
+
+def test_every_overridden_private_hook_is_declared_in_the_seam() -> None:
+    trees = _trees()
+    declared = _declared_overrides(trees)
+    assert len(declared) >= 9  # the reader above still finds the table
+    bad = [
+        hit
+        for name, tree in trees.items()
+        for hit in _undeclared_private_overrides(name, tree, declared)
+    ]
+    assert bad == [], f"name these in {LIGHTNING_SEAM}.OVERRIDDEN"
+
+
+def test_a_planted_private_lightning_import_is_found() -> None:
+    module = "plugintrain.callbacks.display"
+    source = (
+        "from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype\n"
+        "def f():\n"
+        "    import lightning.fabric.utilities._private\n"
+        "    from lightning_fabric.strategies.launchers._x import Launcher\n"
+        "    from lightning.pytorch import Trainer\n"
+    )
+    trees = _trees()
+    planted = _plant(trees, module, source)
+    assert _private_lightning_imports(module, trees[module]) == []
+    assert _private_lightning_imports(module, planted[module]) == [
+        f"{module}: from lightning.pytorch.callbacks.throughput_monitor"
+        " import _plugin_to_compute_dtype",
+        f"{module}: import lightning.fabric.utilities._private",
+        f"{module}: from lightning_fabric.strategies.launchers._x import Launcher",
+    ]
+    seam = _plant(trees, LIGHTNING_SEAM, source)[LIGHTNING_SEAM]
+    assert _private_lightning_imports(LIGHTNING_SEAM, seam) == []
+
+
+def test_a_planted_private_attribute_of_a_lightning_object_is_found() -> None:
+    module = "strategies.hybrid"
+    name = f"plugintrain.{module}"
+    source = (
+        "def f(self, trainer):\n"
+        "    self.lightning_module._device_mesh = None\n"
+        "    trainer.fit_loop._should_accumulate()\n"
+        "    self._binding.bound\n"
+        "    trainer.strategy.root_device\n"
+    )
+    trees = _trees()
+    planted = _plant(trees, name, source)
+    assert _private_lightning_attributes(name, trees[name]) == []
+    assert _private_lightning_attributes(name, planted[name]) == [
+        f"{name}: self.lightning_module._device_mesh",
+        f"{name}: trainer.fit_loop._should_accumulate",
+    ]
+
+
+def test_a_planted_undeclared_private_override_is_found() -> None:
+    name = "plugintrain.precision_plugins.mixed"
+    source = (
+        "class Late(Precision):\n"
+        "    @override\n"
+        "    def _after_closure(self, model, optimizer):\n"
+        "        pass\n"
+        "    def _helper(self):\n"
+        "        pass\n"
+    )
+    trees = _trees()
+    declared = _declared_overrides(trees)
+    planted = _plant(trees, name, source)
+    assert _undeclared_private_overrides(name, trees[name], declared) == []
+    assert _undeclared_private_overrides(name, planted[name], declared) == [
+        f"{name}.Late._after_closure"
+    ]

@@ -50,9 +50,10 @@ def test_every_command_in_the_readme_and_the_docs_is_accepted(checker: Checker) 
 def test_the_readme_quick_start_and_its_three_command_recipes_are_checked() -> None:
     readme = [c.text for c in extract(ROOT / "README.md") if not c.inline]
     assert readme[1:3] == [
-        "make train    # venv + install, fetch SmolLM2-135M and Shakespeare offline, LoRA"
+        "make train    # venv + runtime, fetch SmolLM2-135M and Shakespeare offline, LoRA"
         " fine-tune on CPU, sample",
-        "make test     # venv + install, ruff lint/format check, full test suite",
+        "make test     # venv + runtime + test/docs extras, ruff lint/format check, full"
+        " test suite",
     ]
     assert sum(c.startswith("plugintrain prepare text") for c in readme) == 1
     assert sum(c.startswith("plugintrain prepare chat") for c in readme) == 1

@@ -12,23 +12,24 @@ import resource
 
 import pytest
 
+from plugintrain.cli import main
 from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.estimate import Layout, estimate, fitting_layouts, parse_bytes
 from plugintrain.model_zoo import TransformerConfig
-from plugintrain.tools import TOOLS
-from plugintrain.tools.estimate import main
+from plugintrain.tools import COMMANDS
+from plugintrain.tools.estimate import estimate as estimate_command
 
 ROWS = ("parameters", "gradients", "optimizer state (AdamW)", "activations (peak)", "total")
 
 
 def _run(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
+    code = main(["estimate", *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
 
 def test_registered_as_a_tool() -> None:
-    assert TOOLS["estimate"] is main
+    assert COMMANDS["estimate"].load() is estimate_command
 
 
 def test_table_has_a_column_per_pipeline_stage(capsys: pytest.CaptureFixture) -> None:
@@ -94,16 +95,13 @@ def test_fit_says_when_nothing_fits(capsys: pytest.CaptureFixture) -> None:
         (["gpt2-debug", "--fit", "80 parsecs"], ["'80 parsecs'", "80GiB"]),
         (["gpt-2", "--dp", "2"], ["'gpt-2'", "gpt2-debug"]),
         (["missing.yaml"], ["'missing.yaml'"]),
-        (["gpt2-debug", "--recompute", "all"], ["'all'", "full"]),
+        (["gpt2-debug", "--recompute", "all"], ["--recompute all:", "full"]),
     ],
 )
 def test_bad_input_is_one_line_naming_the_value(
     capsys: pytest.CaptureFixture, argv: list[str], names: list[str]
 ) -> None:
-    try:
-        code = main(argv)
-    except SystemExit as exit_:  # argparse's choices
-        code = exit_.code
+    code = main(["estimate", *argv])
     out, err = capsys.readouterr()
     assert code == 2
     assert out == ""
@@ -161,3 +159,27 @@ def test_expert_parallelism_splits_the_experts_only() -> None:
     assert whole.parameters - split.parameters == pytest.approx(experts / 2, abs=8)
     assert whole.optimizer - split.optimizer == pytest.approx(experts, abs=8)
     assert whole.activations == split.activations
+
+
+def test_config_takes_a_fit_recipe_or_a_file_of_the_options(tmp_path, capsys) -> None:
+    """``--config`` keeps meaning a fit recipe (its model and layout, as ``--recipe``), and
+    also reads what ``--print_config`` wrote, as every command's ``--config`` does."""
+    recipe = "recipes/scale/qwen3_8b_8gpu.yaml"
+    from_config = _run(capsys, "--config", recipe, "--json")
+    from_recipe = _run(capsys, "--recipe", recipe, "--json")
+    assert from_config[0] == 0 and from_config == from_recipe
+    assert json.loads(from_config[1])["model"] == "qwen3-8b"
+    code, printed, _ = _run(capsys, "gpt2-debug", "--dp", "2", "--print_config")
+    assert code == 0
+    options = tmp_path / "options.yaml"
+    options.write_text(printed)
+    assert _run(capsys, "--config", str(options), "--json") == _run(
+        capsys, "gpt2-debug", "--dp", "2", "--json"
+    )
+
+
+def test_precisions_listed_without_torch_are_the_precision_plugins() -> None:
+    from plugintrain.estimate.names import PRECISIONS
+    from plugintrain.precision_plugins import PRECISION_PLUGINS
+
+    assert sorted(PRECISIONS) == sorted(PRECISION_PLUGINS)

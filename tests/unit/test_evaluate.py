@@ -51,8 +51,9 @@ def _chat_model(block_size: int = 256) -> PretrainedLM:
     return PretrainedLM(config).eval()
 
 
-def _evaluate(monkeypatch, tmp_path, lm, data: Path, *options: str) -> None:
-    """Run `plugintrain evaluate` on ``lm`` (or on what a loader function returns)."""
+def _evaluate(monkeypatch, tmp_path, lm, data: Path, *options: str, status: int = 0) -> None:
+    """Run `plugintrain evaluate` on ``lm`` (or on what a loader function returns); it must
+    exit with ``status``."""
     from plugintrain.cli import main
     from plugintrain.tools import _models
 
@@ -60,7 +61,7 @@ def _evaluate(monkeypatch, tmp_path, lm, data: Path, *options: str) -> None:
     monkeypatch.setattr(_models, "load_causal_lm", load)
     (tmp_path / "last.ckpt").write_bytes(b"stands for the model above")
     args = [f"--weights={tmp_path / 'last.ckpt'}", f"--data={data}", "--device=cpu"]
-    assert main(["evaluate", *args, *options]) == 0
+    assert main(["evaluate", *args, *options]) == status
 
 
 def _run_json(monkeypatch, tmp_path, capsys, lm, data: Path, *options: str) -> dict:
@@ -365,16 +366,11 @@ def test_json_file_and_table(monkeypatch, tmp_path, capsys):
 
 
 def _error(monkeypatch, tmp_path, capsys, lm, data: Path, *options: str) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        _evaluate(monkeypatch, tmp_path, lm, data, *options)
-    assert exit_info.value.code == 2
+    _evaluate(monkeypatch, tmp_path, lm, data, *options, status=2)
     (line,) = capsys.readouterr().err.splitlines()
-    prefix, hint = (
-        "plugintrain evaluate: error: ",
-        " (`plugintrain evaluate --help` lists the options)",
-    )
-    assert line.startswith(prefix) and line.endswith(hint)
-    return line[len(prefix) : -len(hint)]
+    prefix = "plugintrain evaluate: error: "
+    assert line.startswith(prefix)
+    return line[len(prefix) :]
 
 
 def _not_loaded(path: str) -> PretrainedLM:

@@ -93,12 +93,15 @@ def test_uncached_generation_crops_to_block_size():
         (["--max_new_tokens=-3"], "--max_new_tokens must be >= 1, got -3"),
         (["--max_new_tokens=0"], "--max_new_tokens must be >= 1, got 0"),
         (["--temperature=-0.5"], "--temperature must be >= 0 (0 is greedy), got -0.5"),
-        (["--temperature=nan"], "--temperature must be >= 0 (0 is greedy), got nan"),
+        (["--temperature=nan"], "--temperature nan: expected a float"),
         (["--num_samples=0"], "--num_samples must be >= 1, got 0"),
-        (["--max_new=5"], "unrecognized arguments: --max_new=5"),  # never abbreviated
+        (
+            ["--max_new=5"],  # never abbreviated
+            "unknown option --max_new (options are never abbreviated; --help lists them)",
+        ),
         (
             [],
-            "--ckpt_path missing.ckpt: no such file or directory; pass the last.ckpt that"
+            "--weights missing.ckpt: no such file or directory; pass the last.ckpt that"
             " `plugintrain fit` wrote, e.g. runs/<recipe>/checkpoints/last.ckpt",
         ),
     ],
@@ -108,14 +111,9 @@ def test_uncached_generation_crops_to_block_size():
 def test_bad_option_is_one_line_before_loading(capsys, argv, message):
     from plugintrain.cli import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--ckpt_path=missing.ckpt", *argv])
-    assert exit_info.value.code == 2
+    assert main(["generate", "--ckpt_path=missing.ckpt", *argv]) == 2
     err = capsys.readouterr().err
-    assert err == (
-        f"plugintrain generate: error: {message}"
-        " (`plugintrain generate --help` lists the options)\n"
-    )
+    assert err == (f"plugintrain generate: error: {message}\n")
 
 
 # ---- generated tokens against reference decoders --------------------------------------------
@@ -223,9 +221,7 @@ def test_bad_tokenizer_is_one_line_before_the_checkpoint_is_read(capsys, tmp_pat
 
     (tmp_path / "last.ckpt").write_bytes(b"not read")
     monkeypatch.setattr(generate, "load_model", lambda *a, **k: pytest.fail("checkpoint read"))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", "--tokenizer=gtp2"])
-    assert exit_info.value.code == 2
+    assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", "--tokenizer=gtp2"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(
         "plugintrain generate: error: unknown tokenizer 'gtp2': not one of ['gpt2', 'llama3',"
@@ -321,11 +317,8 @@ def test_unavailable_device_is_one_line_before_loading(
     machine(monkeypatch)
     (tmp_path / "last.ckpt").write_bytes(b"not read")
     monkeypatch.setattr(generate, "load_model", lambda *a, **k: pytest.fail("checkpoint read"))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", f"--device={device}"])
-    assert exit_info.value.code == 2
-    help_hint = "(`plugintrain generate --help` lists the options)"
-    assert capsys.readouterr().err == f"plugintrain generate: error: {message} {help_hint}\n"
+    assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", f"--device={device}"]) == 2
+    assert capsys.readouterr().err == f"plugintrain generate: error: {message}\n"
 
 
 def test_default_device_is_cuda_when_available(monkeypatch):
@@ -461,11 +454,8 @@ def test_generate_chat_answers_each_conversation_in_batches_as_one_at_a_time(
 def test_bad_chat_option_is_one_line_before_loading(capsys, argv, message):
     from plugintrain.cli import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--ckpt_path=missing.ckpt", *argv])
-    assert exit_info.value.code == 2
-    help_hint = "(`plugintrain generate --help` lists the options)"
-    assert capsys.readouterr().err == f"plugintrain generate: error: {message} {help_hint}\n"
+    assert main(["generate", "--ckpt_path=missing.ckpt", *argv]) == 2
+    assert capsys.readouterr().err == f"plugintrain generate: error: {message}\n"
 
 
 def test_a_chat_file_of_no_conversations_is_one_line_before_loading(capsys, tmp_path):
@@ -474,9 +464,7 @@ def test_a_chat_file_of_no_conversations_is_one_line_before_loading(capsys, tmp_
     (tmp_path / "last.ckpt").write_bytes(b"not read")
     chats = tmp_path / "chats.jsonl"
     chats.write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n{"question": "Hi"}\n')
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", f"--chat={chats}"])
-    assert exit_info.value.code == 2
+    assert main(["generate", f"--ckpt_path={tmp_path / 'last.ckpt'}", f"--chat={chats}"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith(
         f"plugintrain generate: error: {chats}:2: no conversation (found ['question']);"

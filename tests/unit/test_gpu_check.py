@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from plugintrain.bench import gpu_checks
+from plugintrain.cli import main
 from plugintrain.tools import gpu_check
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def test_without_cuda_it_is_a_dry_run_that_says_so(monkeypatch, tmp_path: Path) 
     out = tmp_path / "report.json"
     lines = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: lines.append(" ".join(map(str, a))))
-    assert gpu_check.main(["--out", str(out)]) == 0
+    assert main(["gpu-check", "--out", str(out)]) == 0
     assert lines[0].startswith("gpu-check: no CUDA device here")
     assert "Dry run: nothing was checked" in lines[0]
     assert lines[1] == gpu_check.NCCL_NOTE and "NCCL" in lines[1]
@@ -67,10 +68,10 @@ def test_the_command_exits_0_on_a_machine_without_cuda() -> None:
 def test_a_run_writes_one_table_as_json(monkeypatch, tmp_path: Path, capsys) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check, "_machine", lambda: {"device": "test", "torch": "", "cuda": ""})
-    run_on_cpu = gpu_check.run_checks
-    monkeypatch.setattr(gpu_check, "run_checks", lambda device, _: run_on_cpu(CPU, ["logits"]))
+    run_on_cpu = gpu_checks.run_checks
+    monkeypatch.setattr(gpu_checks, "run_checks", lambda device, _: run_on_cpu(CPU, ["logits"]))
     out = tmp_path / "report.json"
-    assert gpu_check.main(["--out", str(out)]) == 0
+    assert main(["gpu-check", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [c["name"] for c in report["checks"]] == list(gpu_checks.FAMILIES)
     assert all(c["ok"] for c in report["checks"]) and report["not_checked"] == gpu_check.NCCL_NOTE
@@ -83,7 +84,7 @@ def test_a_check_that_raises_is_a_failed_row(monkeypatch) -> None:
         raise RuntimeError("no kernel image is available")
 
     monkeypatch.setattr(gpu_checks, "strategy_parity", broken)
-    rows = gpu_check.run_checks(CPU, ["strategy"])
+    rows = gpu_checks.run_checks(CPU, ["strategy"])
     assert [(r["name"], r["ok"]) for r in rows] == [(s, False) for s in gpu_checks.STRATEGIES]
     assert rows[0]["detail"] == "RuntimeError: no kernel image is available"
 

@@ -15,16 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from plugintrain.cli import main as cli_main
 from plugintrain.data.datamodules.chat_datamodule import IGNORE_INDEX, PackedChat, pack_rows
 from plugintrain.model_zoo import CausalLM, Transformer, TransformerConfig
 from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX as LOSS_IGNORE_INDEX
 from plugintrain.model_zoo.cross_entropy import chunked_cross_entropy, token_cross_entropy
 from plugintrain.model_zoo.layers import document_mask
 from plugintrain.precision_plugins import FP32Precision
-from plugintrain.tools.prepare import main as prepare_main
 
 LENGTHS = (5, 7, 4)  # three examples packed into one row of 16 (4 positions of padding)
 SEQ = 16
+
+
+def prepare_main(argv: list[str]) -> int:
+    return cli_main(["prepare", *argv])
 
 
 def _model(preset: str) -> Transformer:

@@ -97,11 +97,12 @@ def test_a_dataset_prepared_before_bits_per_byte_is_completed(shakespeare_gpt2, 
 def test_a_bad_tokenizer_is_refused_before_anything_is_written(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"^unknown tokenizer 'gtp2': not one of \['gpt2'"):
         prepare_shakespeare(tmp_path / "out", tokenizer="gtp2")
-    with pytest.raises(SystemExit) as info:
-        main(["prepare", "shakespeare", "--tokenizer", "gtp2", "--out", str(tmp_path / "out")])
-    assert info.value.code == 2
+    argv = ["prepare", "shakespeare", "--tokenizer", "gtp2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("plugintrain prepare: error: unknown tokenizer 'gtp2': not one of")
+    assert line.startswith(
+        "plugintrain prepare shakespeare: error: unknown tokenizer 'gtp2': not one of"
+    )
     assert not (tmp_path / "out").exists()
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from plugintrain.cli import main as cli_main
 from plugintrain.data import fetch_asset, get_tokenizer
 from plugintrain.data.prepare.chat_formats import (
     ChatDataError,
@@ -21,7 +22,6 @@ from plugintrain.data.prepare.chat_formats import (
     to_messages,
 )
 from plugintrain.data.tokenizers.chat_templates import ChatEncoder, load_chat_template
-from plugintrain.tools.prepare import main as prepare_main
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 ROWS = {
@@ -65,6 +65,10 @@ MESSAGES = {
         {"role": "assistant", "content": "Blue. ⟦not a mark⟧"},
     ],
 }
+
+
+def prepare_main(argv: list[str]) -> int:
+    return cli_main(["prepare", *argv])
 
 
 def _conversation(n: int) -> dict:
@@ -317,8 +321,8 @@ ERRORS = {
     "no template": (
         [{"messages": ANSWERED}],
         ["--template", None],
-        "plugintrain prepare: error: tokenizer gpt2 has no chat template; pass --template FILE,"
-        " or --template plain for a base model",
+        "plugintrain prepare chat: error: tokenizer gpt2 has no chat template; pass --template"
+        " FILE, or --template plain for a base model",
         (None, ["--template", "plain"]),
     ),
 }
@@ -341,9 +345,7 @@ def test_bad_input_is_one_line_leaves_nothing_and_the_fix_works(case, tmp_path, 
     path = _write(tmp_path / "in.jsonl", rows)
     extra, template = _options(options, tmp_path)
     out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exit_:
-        _run([path], out, *extra, template=template)
-    assert exit_.value.code == 2
+    assert _run([path], out, *extra, template=template) == 2
     expected = message.replace("in.jsonl", str(path))
     expected = expected.format(gemma=_gemma(), template=tmp_path / "halve.jinja")
     assert expected in _last_error(capsys)
@@ -361,18 +363,16 @@ def test_a_text_folder_is_no_chat_folder_and_back(tmp_path, capsys):
     assert prepare_main([*argv, "--out", str(text)]) == 0
     before = sorted(p.name for p in text.iterdir())
     rows = _write(tmp_path / "in.jsonl", [{"messages": ANSWERED}])
-    with pytest.raises(SystemExit):
-        _run([rows], text, "--overwrite")
+    assert _run([rows], text, "--overwrite") == 2
     assert _last_error(capsys).startswith(
-        f"plugintrain prepare: error: --out {text}: holds text prepared by `plugintrain prepare"
-        " text`; write chat data to a folder of its own"
+        f"plugintrain prepare chat: error: --out {text}: holds text prepared by `plugintrain"
+        " prepare text`; write chat data to a folder of its own"
     )
     assert sorted(p.name for p in text.iterdir()) == before
     assert _run([rows], chat) == 0
-    with pytest.raises(SystemExit):
-        prepare_main([*argv, "--out", str(chat), "--overwrite"])
+    assert prepare_main([*argv, "--out", str(chat), "--overwrite"]) == 2
     assert _last_error(capsys).startswith(
-        f"plugintrain prepare: error: --out {chat}: holds chat data prepared by `plugintrain"
+        f"plugintrain prepare text: error: --out {chat}: holds chat data prepared by `plugintrain"
         " prepare chat`; write text to a folder of its own"
     )
     assert json.loads((chat / "meta.json").read_text())["kind"] == "chat"
@@ -383,19 +383,16 @@ def test_nothing_already_in_out_is_lost(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit):
-        _run([rows], out, "--overwrite")
+    assert _run([rows], out, "--overwrite") == 2
     assert "is not empty and holds no chat data" in _last_error(capsys)
     (out / "notes.txt").unlink()
     assert _run([rows], out) == 0  # an empty folder is taken
-    with pytest.raises(SystemExit):
-        _run([rows], out, "--seq_len", "100")
+    assert _run([rows], out, "--seq_len", "100") == 2
     assert "holds chat data already; add --overwrite to rebuild it" in _last_error(capsys)
     assert _run([rows], out, "--seq_len", "100", "--overwrite") == 0
     assert json.loads((out / "meta.json").read_text())["seq_len"] == 100
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit):
-        _run([rows], out, "--overwrite")
+    assert _run([rows], out, "--overwrite") == 2
     assert "holds chat data and other files (notes.txt)" in _last_error(capsys)
     assert (out / "notes.txt").read_text() == "mine"
 
@@ -404,9 +401,9 @@ def test_pack_is_recorded_and_spelled_out(tmp_path, capsys):
     rows = _write(tmp_path / "in.jsonl", [{"messages": ANSWERED}])
     assert _run([rows], tmp_path / "out", "--pack", "false") == 0
     assert json.loads((tmp_path / "out" / "meta.json").read_text())["pack"] is False
-    with pytest.raises(SystemExit):
-        _run([rows], tmp_path / "other", "--pack", "yes")
-    assert "argument --pack: 'yes': say true or false" in _last_error(capsys)
+    assert _run([rows], tmp_path / "other", "--pack", "maybe") == 2
+    assert "--pack maybe: expected a bool" in _last_error(capsys)
+    assert not (tmp_path / "other").exists()
 
 
 def test_format_errors_name_the_row():

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tiktoken
 
+from plugintrain.cli import main as cli_main
 from plugintrain.data import get_tokenizer, read_token_bin
 from plugintrain.data.prepare.corpus import PrepareOptions, prepare_text
-from plugintrain.tools.prepare import main as prepare_main
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -26,6 +26,10 @@ DOCS = [
     "A longer document. " * 40,
     "Numbers 12345 and 3.14159; code: def f(x): return x**2",
 ]
+
+
+def prepare_main(argv: list[str]) -> int:
+    return cli_main(["prepare", *argv])
 
 
 def _corpus(root: Path) -> list[str]:
@@ -189,9 +193,7 @@ def test_other_settings_are_refused_without_overwrite(tmp_path, capsys):
     args = ["text", str(tmp_path / "in"), "--tokenizer", "gpt2", "--out", str(tmp_path / "o")]
     assert prepare_main([*args, "--quiet", "--num_proc", "1"]) == 0
     before = (tmp_path / "o" / "meta.json").read_bytes()
-    with pytest.raises(SystemExit) as exit_:
-        prepare_main([*args, "--quiet", "--num_proc", "1", "--seed", "5"])
-    assert exit_.value.code == 2
+    assert prepare_main([*args, "--quiet", "--num_proc", "1", "--seed", "5"]) == 2
     assert "seed differ" in capsys.readouterr().err.splitlines()[-1]
     assert (tmp_path / "o" / "meta.json").read_bytes() == before
     stale = tmp_path / "o" / "train_000007.bin"  # a shard of the old settings' run
@@ -288,9 +290,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, make, extra,
     path = make(tmp_path)
     out = tmp_path / "out"
     argv = ["text", str(path), "--tokenizer", "gpt2", "--out", str(out), "--quiet", *extra]
-    with pytest.raises(SystemExit) as exit_:
-        prepare_main([*argv, "--num_proc", "1"])
-    assert exit_.value.code == 2
+    assert prepare_main([*argv, "--num_proc", "1"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in last, last
     assert not out.exists()
@@ -341,8 +341,7 @@ def test_bad_input_into_an_existing_empty_folder_leaves_it_empty_and_the_fix_wor
     out.mkdir()  # made beforehand, as a job script does
     argv = ["text", str(tmp_path / "in"), "--tokenizer", "gpt2", "--out", str(out), "--quiet"]
     argv += ["--num_proc", "1", "--shard_tokens", "8"]
-    with pytest.raises(SystemExit):
-        prepare_main(argv)
+    assert prepare_main(argv) == 2
     assert "not UTF-8 at byte 3" in capsys.readouterr().err.splitlines()[-1]
     assert out.is_dir() and not list(out.iterdir())
     assert prepare_main([*argv, "--errors", "replace"]) == 0
@@ -354,8 +353,7 @@ def test_a_bad_rerun_with_overwrite_keeps_the_prepared_folder(tmp_path, capsys):
     argv += ["--quiet", "--num_proc", "1"]
     assert prepare_main(argv) == 0
     before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "o").glob("*") if p.is_file())
-    with pytest.raises(SystemExit):
-        prepare_main([*argv, "--overwrite", "--val_docs", "1000"])
+    assert prepare_main([*argv, "--overwrite", "--val_docs", "1000"]) == 2
     assert "holds 7 documents with text" in capsys.readouterr().err.splitlines()[-1]
     after = sorted((p.name, p.read_bytes()) for p in (tmp_path / "o").glob("*") if p.is_file())
     assert after == before
@@ -406,8 +404,7 @@ def test_merge_refuses_to_write_into_a_task_s_folder(tmp_path, capsys):
     for i, task in enumerate(tasks):
         _run([tmp_path / "in"], task, num_tasks=2, task_index=i, num_proc=1, shard_tokens=8)
     before = (tasks[1] / "meta.json").read_bytes()
-    with pytest.raises(SystemExit):
-        prepare_main(["merge", *map(str, tasks), "--out", str(tasks[1])])
+    assert prepare_main(["merge", *map(str, tasks), "--out", str(tasks[1])]) == 2
     assert "is one of the tasks' folders" in capsys.readouterr().err.splitlines()[-1]
     assert (tasks[1] / "meta.json").read_bytes() == before
 
@@ -423,6 +420,5 @@ def test_lone_surrogates_through_the_tokenizers_library(tmp_path):
 def test_an_input_folder_is_not_also_the_output(tmp_path, capsys):
     _corpus(tmp_path / "in")
     argv = ["text", str(tmp_path / "in"), "--tokenizer", "gpt2", "--out", str(tmp_path / "in")]
-    with pytest.raises(SystemExit):
-        prepare_main([*argv, "--quiet", "--overwrite"])
+    assert prepare_main([*argv, "--quiet", "--overwrite"]) == 2
     assert "is also --out" in capsys.readouterr().err.splitlines()[-1]

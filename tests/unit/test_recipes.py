@@ -16,16 +16,21 @@ import pytest
 
 from plugintrain.cli import main as cli_main
 from plugintrain.cli_messages import ConfigError
-from plugintrain.tools import TOOLS
+from plugintrain.tools import COMMANDS
 from plugintrain.tools.recipes import (
     description,
-    main,
     recipe_names,
     resolve_config,
     resolve_config_args,
 )
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(["recipes", *argv])
+
+
 RECIPES = REPO / "recipes"
 NAME = "gpt2_debug_shakespeare_cpu"
 
@@ -146,7 +151,7 @@ def test_fit_with_an_unknown_recipe_exits_2_with_one_line(empty_cwd: Path, capfd
 
 
 def test_recipes_lists_every_recipe_with_its_description(capsys) -> None:
-    assert TOOLS["recipes"] is main
+    assert COMMANDS["recipes"].target == "plugintrain.tools.recipes:recipes"
     assert cli_main(["recipes"]) == 0
     out = capsys.readouterr().out
     for path in sorted(RECIPES.glob("*.yaml")):
@@ -178,11 +183,10 @@ def test_recipes_of_an_unknown_name_is_one_line(capsys) -> None:
 
 def test_the_overview_and_help_name_the_command(capsys) -> None:
     assert cli_main(["--help"]) == 0
-    assert "\n  recipes    list the recipes" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
-    assert "usage: plugintrain recipes [-h] [NAME]" in capsys.readouterr().out
+    assert "\n  recipes    List the recipes" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: plugintrain recipes ") and "[NAME]" in out.splitlines()[0]
 
 
 def test_resolving_imports_neither_torch_nor_lightning() -> None:

@@ -10,8 +10,12 @@ from pathlib import Path
 import pytest
 
 from plugintrain.cli import main as cli_main
-from plugintrain.tools import TOOLS
-from plugintrain.tools.schedule import main
+from plugintrain.tools import COMMANDS
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(["schedule", *argv])
+
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,14 +115,13 @@ def test_bad_layout_exits_2(capsys, argv: list[str], message: str) -> None:
 
 @pytest.mark.parametrize("bad", ["0", "-1", "fast"])
 def test_bad_time_is_an_argparse_error(capsys, bad: str) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(["--pp", "2", "--microbatches", "2", "--forward-time", bad])
-    assert exited.value.code == 2
-    assert "--forward-time" in capsys.readouterr().err
+    assert main(["--pp", "2", "--microbatches", "2", "--forward-time", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plugintrain schedule: error: --forward-time") and err.count("\n") == 1
 
 
 def test_registered_with_the_cli(capsys) -> None:
-    assert TOOLS["schedule"] is main
+    assert COMMANDS["schedule"].target == "plugintrain.tools.schedule:schedule"
     assert cli_main(["schedule", "--pp", "2", "--microbatches", "2"]) == 0
     assert "schedule=1f1b pp=2" in capsys.readouterr().out
     assert cli_main(["--help"]) == 0

@@ -12,9 +12,16 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from plugintrain.core.contracts import TokenBytesSource
 from plugintrain.data import TokenDataModule, write_token_bin, write_token_bytes
-from plugintrain.tools.prepare import _parser as prepare_parser
+from plugintrain.tools._command import parse
+from plugintrain.tools.prepare import PREPARE
 
 T, B = 4, 2
+
+
+def _prepare_args(words: list[str]) -> SimpleNamespace:
+    """What ``plugintrain prepare WORDS`` parses to (nothing runs): its dataset and options."""
+    options = parse(PREPARE.commands[words[0]], words[1:], f"plugintrain prepare {words[0]}")
+    return SimpleNamespace(dataset=words[0], **options)
 
 
 @pytest.fixture
@@ -129,7 +136,7 @@ def test_missing_file_says_how_to_prepare(tmp_path):
         f"token file {tmp_path / 'train.bin'} not found; create it with"
         f" `plugintrain prepare shakespeare --tokenizer llama3 --out {tmp_path}`"
     )
-    args = prepare_parser().parse_args(_command(str(info.value))[2:])
+    args = _prepare_args(_command(str(info.value))[2:])
     assert (args.dataset, args.tokenizer, args.out) == ("shakespeare", "llama3", str(tmp_path))
 
 
@@ -155,7 +162,7 @@ def test_token_files_of_another_tokenizer_are_refused_on_construction(data_dir):
         f" prepare them with `plugintrain prepare shakespeare --tokenizer llama3 --out {out}`"
         f" and pass `--data.init_args.data_dir {out}`"
     )
-    args = prepare_parser().parse_args(_command(str(info.value))[2:])
+    args = _prepare_args(_command(str(info.value))[2:])
     assert (args.tokenizer, args.out, args.overwrite) == ("llama3", str(out), False)
     # The same tokenizer, or files that record none (llm.c's), are accepted.
     TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="gpt2")
@@ -171,7 +178,7 @@ def test_a_tokenizer_path_matches_however_it_is_spelled(data_dir, monkeypatch):
     with pytest.raises(ValueError) as info:
         TokenDataModule(str(data_dir), seq_len=T, batch_size=B, tokenizer="models/Smol.Q4.gguf")
     out = data_dir.parent / "shakespeare_Smol.Q4"  # named for the file, not its whole path
-    args = prepare_parser().parse_args(_command(str(info.value))[2:])
+    args = _prepare_args(_command(str(info.value))[2:])
     assert (args.tokenizer, args.out, args.overwrite) == ("models/Smol.Q4.gguf", str(out), False)
 
 

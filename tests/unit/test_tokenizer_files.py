@@ -20,9 +20,10 @@ import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
 from plugintrain.cli import main
-from plugintrain.data.tokenizers.gguf_metadata import read_gguf_metadata
+from plugintrain.core.gguf_header import read_gguf_metadata
 from plugintrain.data.tokenizers.registry import get_tokenizer
-from plugintrain.formats.tokenizer_files import hf_gguf_vocabulary, write_hf_tokenizer
+from plugintrain.formats.gguf.tokenizer_keys import hf_gguf_vocabulary
+from plugintrain.formats.tokenizer_files import write_hf_tokenizer
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 
 TEXTS = [

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFBackend
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from plugintrain.core.gguf_header import read_gguf_metadata
 from plugintrain.data import (
     HFTokenizer,
     fetch_asset,
@@ -22,7 +23,6 @@ from plugintrain.data import (
     tokenizer_short_name,
     tokenizer_spec,
 )
-from plugintrain.data.tokenizers.gguf_metadata import read_gguf_metadata
 
 TEXT = "To be, or not to be: that is the question.\n\n  Ünïcödé — 日本語 and 12345 tabs\t!"
 

@@ -18,10 +18,10 @@ from typing import Any, Literal
 import numpy as np
 
 from plugintrain.core.atomic_files import atomic_open
+from plugintrain.core.bits_per_byte import bits_per_byte
 from plugintrain.data.assets import ASSETS, AssetError, fetch_asset
 from plugintrain.data.idx import IDX_FILES, find_idx, load_split, write_idx
 from plugintrain.data.token_bin import TokenFileError, read_token_bin, write_token_bin
-from plugintrain.data.tokenizers.token_bytes import read_token_bytes, write_token_bytes
 from plugintrain.data.tokenizers.registry import (
     HFTokenizer,
     Tokenizer,
@@ -29,6 +29,7 @@ from plugintrain.data.tokenizers.registry import (
     tokenizer_short_name,
     tokenizer_spec,
 )
+from plugintrain.data.tokenizers.token_bytes import read_token_bytes, write_token_bytes
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 # sha256 of each Fashion-MNIST IDX file *after* gunzip, from Debian's dataset-fashion-mnist
@@ -140,7 +141,7 @@ def _add_token_bytes(
     write_token_bytes(out, counts)
     val_bytes = int(counts[read_token_bin(out / "val.bin")].sum(dtype=np.int64))
     nats = meta["val_unigram_xent_nats"] * meta["val_tokens"]
-    meta = {**meta, "val_bytes": val_bytes, "val_unigram_bpb": nats / val_bytes / math.log(2)}
+    meta = {**meta, "val_bytes": val_bytes, "val_unigram_bpb": bits_per_byte(nats, val_bytes)}
     _write_json(out / "meta.json", meta)
     return meta
 

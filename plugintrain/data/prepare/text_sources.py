@@ -24,7 +24,6 @@ from typing import IO, Any
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".markdown")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
-KNOWN_SUFFIXES = (*TEXT_SUFFIXES, *JSONL_SUFFIXES, ".json", ".parquet")
 COMPRESSIONS = (".gz", ".zst")
 HUB_PREFIX = "hf:"
 MAX_DOC_BYTES = 64 << 20
@@ -79,15 +78,7 @@ class Source:
     def documents(self, options: ReadOptions) -> Iterator[tuple[int, str]]:
         """``(ordinal, text)`` of each record in order; the ordinal counts every record,
         empty ones included, so it names the same record in every run."""
-        readers = {
-            "text": _text_documents,
-            "jsonl": _jsonl_documents,
-            "json": _json_documents,
-            "parquet": _parquet_documents,
-            "arrow_dir": _arrow_documents,
-            "hub": _hub_documents,
-        }
-        for ordinal, text in readers[self.kind](self, options):
+        for ordinal, text in READERS[self.kind].read(self, options):
             # A character is 1 to 4 bytes: only a long text needs counting.
             if len(text) * 4 <= options.max_doc_bytes:
                 yield ordinal, text
@@ -130,7 +121,7 @@ def expand_inputs(
     for spec in inputs:
         found = _expand_one(spec, extra, skip)
         if not found:
-            raise CorpusError(f"{spec}: matches no file to read; {_KNOWN}")
+            raise CorpusError(f"{spec}: matches no file to read; {_known()}")
         sources.extend(found)
     seen: dict[str, Source] = {}
     for source in sources:
@@ -151,10 +142,13 @@ def expand_inputs(
     return sources
 
 
-_KNOWN = (
-    f"plugintrain reads {', '.join(KNOWN_SUFFIXES)} (also {' or '.join(COMPRESSIONS)}"
-    " compressed), save_to_disk directories and hf:NAME; add --suffixes to read others as text"
-)
+def _known() -> str:
+    suffixes = ", ".join(s for reader in READERS.values() for s in reader.suffixes)
+    return (
+        f"plugintrain reads {suffixes} (also {' or '.join(COMPRESSIONS)} compressed where the"
+        " reader takes it), save_to_disk directories and hf:NAME; add --suffixes to read others"
+        " as text"
+    )
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -235,15 +229,17 @@ def _kind(name: str, extra: tuple[str, ...]) -> str | None:
     for compression in COMPRESSIONS:
         stem = stem.removesuffix(compression)
     suffix = Path(stem).suffix
-    if suffix in TEXT_SUFFIXES or suffix in extra:
+    if suffix in extra:
         return "text"
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    if suffix == ".json":
-        return "json"
-    if suffix == ".parquet" and stem == name.lower():
-        return "parquet"
-    return None
+    compressed = stem != name.lower()
+    return next(
+        (
+            kind
+            for kind, reader in READERS.items()
+            if suffix in reader.suffixes and (reader.compressed or not compressed)
+        ),
+        None,
+    )
 
 
 def _tree_size(path: Path) -> int:
@@ -378,7 +374,12 @@ def _text_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int,
     """One document per file, or the pieces between separators (streamed)."""
     separator = options.separator
     if not separator:  # held whole, so refused as soon as it is surely too long
-        yield 0, _whole_text(source, options, lambda chars: _too_long(source, 0, f"over {chars}", options))
+        yield (
+            0,
+            _whole_text(
+                source, options, lambda chars: _too_long(source, 0, f"over {chars}", options)
+            ),
+        )
         return
     pending, ordinal = "", 0
     for block in _decoded_blocks(source, options):
@@ -469,8 +470,10 @@ def _json_documents(source: Source, options: ReadOptions) -> Iterator[tuple[int,
     text = _whole_text(
         source,
         options,
-        lambda _: f"{array} --max_doc_bytes={options.max_doc_bytes}; write it as JSON lines"
-        " (.jsonl, which is streamed) or raise --max_doc_bytes",
+        lambda _: (
+            f"{array} --max_doc_bytes={options.max_doc_bytes}; write it as JSON lines"
+            " (.jsonl, which is streamed) or raise --max_doc_bytes"
+        ),
     )
     try:
         records = json.loads(text.removeprefix("\ufeff"))
@@ -580,3 +583,47 @@ def document_ordinals(source: Source, options: ReadOptions) -> Iterator[int]:
     for ordinal, text in source.documents(options):
         if text:
             yield ordinal
+
+
+@dataclass(frozen=True)
+class Reader:
+    """How one kind of source is read (an entry of :data:`READERS`)."""
+
+    suffixes: tuple[str, ...]
+    """The file suffixes read as this kind (none: the kind is told by the path's shape)."""
+    read: Callable[[Source, ReadOptions], Iterator[tuple[int, str]]]
+    """The source's documents as ``(ordinal, text)`` in order; an ordinal counts every
+    record, empty ones included. Errors are :class:`CorpusError` naming the file."""
+    compressed: bool = False
+    """Whether ``.gz`` and ``.zst`` files of these suffixes are read too (the reader opens
+    them with :func:`_open_binary`)."""
+
+
+READERS: dict[str, Reader] = {
+    "text": Reader(TEXT_SUFFIXES, _text_documents, compressed=True),
+    "jsonl": Reader(JSONL_SUFFIXES, _jsonl_documents, compressed=True),
+    "json": Reader((".json",), _json_documents, compressed=True),
+    "parquet": Reader((".parquet",), _parquet_documents),
+    "arrow_dir": Reader((), _arrow_documents),  # a save_to_disk directory
+    "hub": Reader((), _hub_documents),  # hf:NAME
+}
+"""Every kind of source (:attr:`Source.kind`) and its reader: the one place an input format
+is declared (:func:`register_reader` adds one)."""
+
+
+def register_reader(
+    kind: str,
+    suffixes: tuple[str, ...],
+    read: Callable[[Source, ReadOptions], Iterator[tuple[int, str]]],
+    compressed: bool = False,
+) -> None:
+    """Read files of ``suffixes`` as ``kind`` with ``read`` (see :class:`Reader`).
+
+    Raises:
+        ValueError: If ``kind`` or one of ``suffixes`` is taken already.
+    """
+    taken = {s: k for k, reader in READERS.items() for s in reader.suffixes}
+    clashes = {s: taken[s] for s in suffixes if s in taken}
+    if kind in READERS or clashes:
+        raise ValueError(f"input format {kind!r} clashes with the registered ones: {clashes}")
+    READERS[kind] = Reader(tuple(suffixes), read, compressed)

@@ -38,8 +38,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from plugintrain.core.gguf_header import is_gguf, read_gguf_metadata
 from plugintrain.data.assets import resolve_model_path
-from plugintrain.data.tokenizers.gguf_metadata import is_gguf, read_gguf_metadata
 from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, get_tokenizer
 
 TRAIN_ON = ("assistant", "completion", "all")

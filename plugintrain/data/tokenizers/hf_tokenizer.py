@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from plugintrain.data.tokenizers.gguf_metadata import is_gguf, read_gguf_metadata
+from plugintrain.core.gguf_header import is_gguf, read_gguf_metadata
 from plugintrain.data.tokenizers.split_patterns import GGUF_PRE_SPLITS
 
 # llama.cpp's token types (gguf.TokenType) that matter here (6, BYTE, is a <0xNN> token).
