@@ -27,11 +27,14 @@ BASELINE = ("import torch", [sys.executable, "-c", "import torch"])
 RECIPE = "recipes/gpt2_debug_shakespeare_cpu.yaml"
 COMMANDS = {
     "prepare --help": ["prepare", "--help"],
+    "prepare text --help": ["prepare", "text", "--help"],
+    "--help (the command list)": ["--help"],
     "convert --help": ["convert", "--help"],
     "estimate --help": ["estimate", "--help"],
     "generate --help": ["generate", "--help"],
     "recipes": ["recipes"],
     "generate --max_new 5 (a typo)": ["generate", "--max_new", "5"],
+    "estimate --microbatchs 4 (a typo)": ["estimate", "llama3.1-8b", "--microbatchs", "4"],
     "fit --trainer.max_step 5 (a typo)": ["fit", "--config", RECIPE, "--trainer.max_step", "5"],
     "fit --help": ["fit", "--help"],
     "fit --trainer.strategy nonsense (parsed, then refused)": [

@@ -89,6 +89,9 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         self.flops_per_token_adjustment = 0
         """Added to the config's training FLOPs per token: the LoRA callback sets it to what
         its steps add and skip (the adapters' matmuls; no weight gradients of frozen ones)."""
+        # The config's FLOPs per token by sequence length: summed block by block once, not
+        # at every training batch.
+        self._model_flops: dict[int, int] = {}
         self.eval_metrics = torch.nn.ModuleDict({"val": EvalMetrics(), "test": EvalMetrics()})
         self.loss_mask = False
         """Whether the data masks targets (set at setup from the datamodule's ``loss_mask``,
@@ -180,7 +183,10 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         if stage == "train":
             if scored is not None:
                 self._count_targets(scored, y.numel())
-            per_token = self.config.flops_per_token(x.size(1)) + self.flops_per_token_adjustment
+            seq_len = x.size(1)
+            if seq_len not in self._model_flops:
+                self._model_flops[seq_len] = self.config.flops_per_token(seq_len)
+            per_token = self._model_flops[seq_len] + self.flops_per_token_adjustment
             self.flops_per_batch = per_token * x.numel()
             # This rank's batch, as Lightning logs a step's loss: ppl and bpb of the same one.
             self.log("train_loss", loss, prog_bar=True)

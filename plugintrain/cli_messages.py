@@ -64,11 +64,9 @@ def lightning_precision_names() -> list[str]:
 
 def strategy_help() -> str:
     """The ``--trainer.strategy`` names, plugintrain's with what each does."""
-    from lightning.pytorch.strategies import StrategyRegistry
+    from plugintrain.strategies.registry import STRATEGIES
 
-    from plugintrain.strategies import STRATEGY_NAMES
-
-    ours = ", ".join(f"{name} ({StrategyRegistry[name]['description']})" for name in STRATEGY_NAMES)
+    ours = ", ".join(f"{name} ({spec.description})" for name, spec in STRATEGIES.items())
     return (
         f"A name: plugintrain's {ours}; or Lightning's {', '.join(lightning_strategy_names())}."
         " Or a class path alone (the class's defaults), or a class_path with init_args."
@@ -172,7 +170,9 @@ def user_message(error: BaseException, options: Sequence[str] = ()) -> str | Non
 
 def unknown_option(option: str, options: Sequence[str]) -> str:
     """ "unknown option --trainer.max_step; did you mean --trainer.max_steps? ..."."""
-    close = difflib.get_close_matches(option, options, n=1, cutoff=0.8)
+    # An abbreviation of one option names it; a misspelling, the closest option.
+    whole = [o for o in options if o.startswith(option)]
+    close = whole if len(whole) == 1 else difflib.get_close_matches(option, options, 1, 0.8)
     guess = f"; did you mean {close[0]}?" if close else ""
     return f"unknown option {option}{guess} (options are never abbreviated; --help lists them)"
 

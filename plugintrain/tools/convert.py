@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from plugintrain.cli_messages import ConfigError
@@ -102,94 +101,22 @@ def convert(
     return _run(_Job("convert", src, out, format, dtype, overwrite, merge_lora))
 
 
-def _problem(args: _Job) -> str | None:
-    """What is wrong before anything is read; None when nothing is."""
-    from plugintrain.data.assets import PRETRAINED_MODELS
-    from plugintrain.formats import check_output, dtype_problem
+def _run(job: _Job) -> int:
+    """Every check, then the write (:func:`plugintrain.formats.export`); its summary as one
+    JSON line."""
+    from plugintrain.formats import export
 
-    source, out = str(args.source), Path(args.out)
-    if not Path(source).exists() and source not in PRETRAINED_MODELS:
-        return f"{source}: no such file or directory; pass a checkpoint or model path"
-    if args.format == "peft":
-        if args.dtype not in (None, "float32") or args.merge_lora:
-            return (
-                "--format peft writes the adapters alone, in float32; drop --dtype and --merge-lora"
-            )
-    elif args.dtype is not None and dtype_problem(args.format, args.dtype) is not None:
-        return dtype_problem(args.format, args.dtype)
     try:
-        check_output(out, args.overwrite)
-    except FileExistsError as error:
-        return str(error)
-    return None
-
-
-def _adapter_problem(args: _Job) -> str | None:
-    """``--merge-lora`` given for a LoRA run's checkpoint, and only for one."""
-    from plugintrain.formats import detect_format, resolve
-    from plugintrain.formats.checkpoint import CheckpointReader
-
-    path = resolve(args.source)
-    record = CheckpointReader(path).lora if detect_format(path) == "checkpoint" else None
-    if record is not None and not args.merge_lora:
-        return (
-            f"{args.source} holds a LoRA run's adapters (base: {record['base'] or 'in it'});"
-            " pass --merge-lora to write the base with the adapters merged in"
+        summary = export(
+            job.source,
+            job.out,
+            job.format,
+            job.dtype,
+            job.overwrite,
+            job.merge_lora,
+            from_checkpoint=job.command == "export",
         )
-    if record is None and args.merge_lora:
-        return f"{args.source} holds no LoRA adapters; drop --merge-lora"
-    return None
-
-
-def _run(args: _Job) -> int:
-    problem = _problem(args)
-    if problem is not None:
-        raise ConfigError(problem)
-    from plugintrain.formats import convert, detect_format, resolve
-
-    if args.command == "export" and detect_format(resolve(args.source)) != "checkpoint":
-        raise ConfigError(
-            f"{args.source} is not a checkpoint written by `plugintrain fit`; use"
-            f" `plugintrain convert {args.source} {args.out} --format {args.format}` for"
-            " weights in other formats"
-        )
-    if args.format == "peft":
-        return _export_peft(args)
-    try:
-        problem = _adapter_problem(args)
-    except ValueError as error:  # a damaged checkpoint, named
-        problem = str(error)
-    if problem is not None:
-        raise ConfigError(problem)
-    try:
-        weights = convert(args.source, Path(args.out), args.format, args.dtype, args.overwrite)
     except (ValueError, FileExistsError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
-    summary = {
-        "source": str(args.source),
-        "out": args.out,
-        "format": args.format,
-        "model": weights.config.name,
-        "tensors": len(weights.names()),
-    }
-    print(json.dumps(summary))
-    return 0
-
-
-def _export_peft(args: _Job) -> int:
-    from plugintrain.formats.peft_adapters import export_peft
-
-    try:
-        config = export_peft(args.source, Path(args.out), args.overwrite)
-    except (ValueError, FileExistsError) as error:
-        raise ConfigError(str(error)) from None
-    summary = {
-        "source": str(args.source),
-        "out": args.out,
-        "format": "peft",
-        "r": config["r"],
-        "lora_alpha": config["lora_alpha"],
-        "modules": len(config["target_modules"]),
-    }
     print(json.dumps(summary))
     return 0

@@ -97,7 +97,8 @@ def test_uncached_generation_crops_to_block_size():
         (["--num_samples=0"], "--num_samples must be >= 1, got 0"),
         (
             ["--max_new=5"],  # never abbreviated
-            "unknown option --max_new (options are never abbreviated; --help lists them)",
+            "unknown option --max_new; did you mean --max_new_tokens? (options are never"
+            " abbreviated; --help lists them)",
         ),
         (
             [],

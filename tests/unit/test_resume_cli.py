@@ -62,10 +62,9 @@ def test_a_planted_payload_never_runs_and_is_named(capfd, tmp_path) -> None:
     torch.save({"state_dict": {}, "hyper_parameters": {"x": Payload(marker)}}, ckpt)
     code, line = _fit(capfd, tmp_path, "--ckpt_path", str(ckpt))
     assert code == 2 and f"{ckpt} holds objects that loading would have to run code" in line
-    with pytest.raises(SystemExit) as exited:
-        main(["generate", "--ckpt_path", str(ckpt), "--prompt", "ROMEO:"])
+    code = main(["generate", "--ckpt_path", str(ckpt), "--prompt", "ROMEO:"])
     line = capfd.readouterr().err.strip().splitlines()[-1]
-    assert exited.value.code == 2 and str(ckpt) in line and "GLOBAL getattr" in line
+    assert code == 2 and str(ckpt) in line and "GLOBAL getattr" in line
     assert not marker.exists()
 
 
