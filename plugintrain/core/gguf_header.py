@@ -16,8 +16,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+from gguf.constants import Keys
 
 GGUF_MAGIC = b"GGUF"
+
+TOKENIZER_KEYS = Keys.Tokenizer
+"""The ``tokenizer.*`` metadata keys (``TOKENIZER_KEYS.LIST`` is ``tokenizer.ggml.tokens``), as
+the ``gguf`` package, llama.cpp's own, names them: the one spelling the GGUF writer and both
+readers of a GGUF's tokenizer use."""
 
 # GGUF value type -> (struct format, numpy dtype) of the fixed-size scalars.
 _SCALARS: dict[int, tuple[str, str]] = {

@@ -38,7 +38,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from plugintrain.core.gguf_header import is_gguf, read_gguf_metadata
+from plugintrain.core.gguf_header import TOKENIZER_KEYS, is_gguf, read_gguf_metadata
 from plugintrain.data.assets import resolve_model_path
 from plugintrain.data.tokenizers.registry import TOKENIZER_NAMES, get_tokenizer
 
@@ -291,7 +291,7 @@ def _own_template(spec: str) -> tuple[str, str]:
 
 
 def _gguf_template(path: Path) -> tuple[str, str] | None:
-    source = read_gguf_metadata(path).get("tokenizer.chat_template")
+    source = read_gguf_metadata(path).get(TOKENIZER_KEYS.CHAT_TEMPLATE)
     return None if source is None else (source, f"GGUF tokenizer.chat_template of {path}")
 
 

@@ -20,8 +20,9 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from plugintrain.core.gguf_header import is_gguf, read_gguf_metadata
+from plugintrain.core.gguf_header import TOKENIZER_KEYS, is_gguf, read_gguf_metadata
 from plugintrain.data.tokenizers.split_patterns import GGUF_PRE_SPLITS
+
 
 # llama.cpp's token types (gguf.TokenType) that matter here (6, BYTE, is a <0xNN> token).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -237,7 +238,7 @@ def _decodes_byte_level(backend: Backend) -> bool:
 
 def _from_gguf(path: Path, name: str) -> HFTokenizer:
     meta = read_gguf_metadata(path)
-    model = meta.get("tokenizer.ggml.model")
+    model = meta.get(TOKENIZER_KEYS.MODEL)
     if model == "gpt2":
         backend, byte_level = _gguf_byte_level(meta, path), True
     elif model == "llama":
@@ -248,15 +249,17 @@ def _from_gguf(path: Path, name: str) -> HFTokenizer:
             " 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE) vocabularies"
         )
     _add_gguf_specials(backend, meta)
-    ids = {role: meta.get(f"tokenizer.ggml.{role}_token_id") for role in ("bos", "eos")}
+    ids = {
+        role: meta.get(key) for role, key in (("bos", TOKENIZER_KEYS.BOS_ID), ("eos", TOKENIZER_KEYS.EOS_ID))
+    }
     bos, eos = (
         ids[role] if ids[role] is not None else _conventional_id(backend.token_to_id, role, path)
         for role in ("bos", "eos")
     )
     # llama.cpp's default where the file has no add_bos_token: SentencePiece vocabularies
     # and Llama 3's BPE add BOS, other BPE vocabularies do not (src/llama-vocab.cpp).
-    default = model == "llama" or meta.get("tokenizer.ggml.pre") in _WHOLE_WORD_PRES
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", default))
+    default = model == "llama" or meta.get(TOKENIZER_KEYS.PRE) in _WHOLE_WORD_PRES
+    add_bos = bool(meta.get(TOKENIZER_KEYS.ADD_BOS, default))
     return HFTokenizer(name, backend, bos, eos, byte_level=byte_level, add_bos=add_bos)
 
 
@@ -265,14 +268,14 @@ def _gguf_byte_level(meta: dict[str, Any], path: Path) -> Backend:
 
     A file without the key predates it; like transformers, split it as GPT-2 does.
     """
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    pre = meta.get(TOKENIZER_KEYS.PRE, "gpt2")
     if pre not in GGUF_PRE_SPLITS:
         raise ValueError(
             f"{path}: tokenizer.ggml.pre {pre!r} is not supported; plugintrain knows how"
             f" llama.cpp splits text for {sorted(GGUF_PRE_SPLITS)}"
         )
-    tokens = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tokens = meta[TOKENIZER_KEYS.LIST]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get(TOKENIZER_KEYS.MERGES, [])]
     vocab = {token: i for i, token in enumerate(tokens)}
     # Like tiktoken, llama.cpp takes a word that is itself a token whole for Llama 3's
     # vocabulary, even where the merges would spell it otherwise.
@@ -289,17 +292,17 @@ def _gguf_sentencepiece(meta: dict[str, Any]) -> Backend:
     """SentencePiece BPE: spaces become ``▁`` (and lead the text unless the file says
     ``add_space_prefix`` false), and characters outside the vocabulary fall back to
     ``<0xNN>`` byte tokens."""
-    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type")
+    tokens, types = meta[TOKENIZER_KEYS.LIST], meta.get(TOKENIZER_KEYS.TOKEN_TYPE)
     vocab = {token: i for i, token in enumerate(tokens)}
-    if "tokenizer.ggml.merges" in meta:
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    if TOKENIZER_KEYS.MERGES in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta[TOKENIZER_KEYS.MERGES]]
     else:
-        merges = _merges_from_scores(tokens, meta["tokenizer.ggml.scores"], types)
-    unk = meta.get("tokenizer.ggml.unknown_token_id")
+        merges = _merges_from_scores(tokens, meta[TOKENIZER_KEYS.SCORES], types)
+    unk = meta.get(TOKENIZER_KEYS.UNK_ID)
     unk_token = tokens[unk] if unk is not None else None
     bpe = models.BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     backend = Backend(bpe)
-    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = bool(meta.get(TOKENIZER_KEYS.ADD_PREFIX, True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False
     )
@@ -334,7 +337,7 @@ def _merges_from_scores(
 def _add_gguf_specials(backend: Backend, meta: dict[str, Any]) -> None:
     """Control and unknown tokens as special tokens (decoded verbatim, never produced from
     text), user-defined ones as plain added tokens matched whole, as llama.cpp does."""
-    tokens, types = meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type")
+    tokens, types = meta[TOKENIZER_KEYS.LIST], meta.get(TOKENIZER_KEYS.TOKEN_TYPE)
     if types is None:
         return
     for kind, special in ((_CONTROL, True), (_UNKNOWN, True), (_USER_DEFINED, False)):

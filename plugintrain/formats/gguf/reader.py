@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import Tensor
 
 from plugintrain.checkpoints.files import first_line
-from plugintrain.core.gguf_header import GGUFTensorInfo, read_gguf_header
+from plugintrain.core.gguf_header import TOKENIZER_KEYS, GGUFTensorInfo, read_gguf_header
 from plugintrain.formats.base import WeightFormatError
 from plugintrain.formats.gguf.links import Link, links
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
@@ -76,7 +76,7 @@ class GGUFFileReader:
         self._check_tensors()
         self._map = np.memmap(path, dtype=np.uint8, mode="r")
         self.config = self._config()
-        self.tokenizer = str(path) if "tokenizer.ggml.tokens" in self._fields else None
+        self.tokenizer = str(path) if TOKENIZER_KEYS.LIST in self._fields else None
         self._names = self._hf_names()
 
     def _field(self, key: str, default: Any = None) -> Any:

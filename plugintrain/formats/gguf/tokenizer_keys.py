@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from plugintrain.core.gguf_header import is_gguf, read_gguf_header
+from plugintrain.core.gguf_header import TOKENIZER_KEYS, is_gguf, read_gguf_header
 from plugintrain.data.assets import resolve_model_path
 from plugintrain.data.tokenizers.hf_tokenizer import byte_alphabet
 from plugintrain.data.tokenizers.registry import (
@@ -116,7 +116,7 @@ def hf_gguf_vocabulary(tokenizer: Any, spec: str) -> dict[str, Any]:
     fields = _gguf_fields(tokens, types, merges, pre, tokenizer)
     template = chat_template_of(spec)
     if template is not None:
-        fields["tokenizer.chat_template"] = template
+        fields[TOKENIZER_KEYS.CHAT_TEMPLATE] = template
     return fields
 
 
@@ -141,13 +141,13 @@ def _gguf_fields(
     tokens: list[str], types: list[int], merges: list[str], pre: str, tokenizer: Any
 ) -> dict[str, Any]:
     return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": np.array(types, dtype="<i4"),
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": int(tokenizer.bos_id),
-        "tokenizer.ggml.eos_token_id": int(tokenizer.eos_id),
-        "tokenizer.ggml.add_bos_token": bool(tokenizer.add_bos),
-        "tokenizer.ggml.add_eos_token": False,
+        TOKENIZER_KEYS.MODEL: "gpt2",
+        TOKENIZER_KEYS.PRE: pre,
+        TOKENIZER_KEYS.LIST: tokens,
+        TOKENIZER_KEYS.TOKEN_TYPE: np.array(types, dtype="<i4"),
+        TOKENIZER_KEYS.MERGES: merges,
+        TOKENIZER_KEYS.BOS_ID: int(tokenizer.bos_id),
+        TOKENIZER_KEYS.EOS_ID: int(tokenizer.eos_id),
+        TOKENIZER_KEYS.ADD_BOS: bool(tokenizer.add_bos),
+        TOKENIZER_KEYS.ADD_EOS: False,
     }
