@@ -47,11 +47,11 @@ def _argument_problem(args: Namespace) -> str | None:
         return f"--top_k must be >= 1 (1 is greedy), got {args.top_k}"
     if args.num_samples < 1:
         return f"--num_samples must be >= 1, got {args.num_samples}"
-    if args.ckpt_path is None and args.adapter is None:
+    if args.weights is None and args.adapter is None:
         return "pass --weights (a checkpoint or pretrained weights), or --adapter"
     if args.merge_lora and args.adapter is None:
         return "--merge-lora merges an --adapter; pass --adapter <a LoRA run's last.ckpt>"
-    return missing_path("--weights", args.ckpt_path) or missing_path("--adapter", args.adapter)
+    return missing_path("--weights", args.weights) or missing_path("--adapter", args.adapter)
 
 
 def _chat_problem(args: Namespace) -> str | None:
@@ -162,7 +162,7 @@ def _load(args: Namespace) -> tuple[PretrainedLM, Tokenizer | HFTokenizer, ChatE
     try:  # a bad --device or --tokenizer is refused before the checkpoint is read
         device = _device(args.device)
         tokenizer = get_tokenizer(args.tokenizer) if args.tokenizer else None
-        module = load_model(args.ckpt_path, args.adapter, args.merge_lora)
+        module = load_model(args.weights, args.adapter, args.merge_lora)
         spec = args.tokenizer or model_tokenizer(module)
         tokenizer = tokenizer or get_tokenizer(spec)
         encoder = None if args.chat is None else _chat_encoder(tokenizer, spec, args.template)
@@ -233,7 +233,6 @@ def generate(
 
 def _generate(args: Namespace) -> int:
     """``generate``'s work, its options checked first."""
-    args.ckpt_path = args.weights
     problem = _argument_problem(args)
     if problem is not None:
         raise ConfigError(problem)
