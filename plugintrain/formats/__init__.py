@@ -2,10 +2,12 @@
 PEFT adapters and plugintrain's own checkpoints, read and written one tensor at a time,
 never unpickled.
 
-Each format is declared once in :mod:`plugintrain.formats.registry` (:data:`FORMATS`).
-:func:`open_weights` reads any of them (the format is detected from the path) as our
-tensor names; :func:`load_into` copies them into a model of any parallel layout;
-:func:`convert` writes them in another format, atomically.
+Each format is declared once in :mod:`plugintrain.formats.registry`
+(:data:`~plugintrain.formats.registry.FORMATS`).
+:func:`~plugintrain.formats.sources.open_weights` reads any of them (the format is detected
+from the path) as our tensor names; :func:`~plugintrain.formats.base.load_into` copies them
+into a model of any parallel layout; :func:`~plugintrain.formats.conversion.convert` writes
+them in another format, atomically.
 
 Names are imported from their modules on first use (PEP 562), so the registry's names
 and dtypes (``plugintrain convert --help``) come without importing torch.
