@@ -153,6 +153,11 @@ class Layout:
         """Ranks: dp x tp x pp."""
         return self.dims.world_size
 
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+        """The global rank at mesh coordinates ``(pp, dp, tp)`` (tp innermost; with experts,
+        ``dp = edp x ep`` flattened the same way)."""
+        return (pp_rank * self.dims.dp + dp_rank) * self.dims.tp + tp_rank
+
     @property
     def stage(self) -> int | None:
         """The gradient engine's ZeRO stage (3: FSDP2); None without data parallelism's

@@ -95,7 +95,7 @@ def estimate(config: TransformerConfig, layout: Layout) -> Estimate:
         act = activation_bytes(config, layout, pp_rank)
         comm = communication_bytes(held, layout)
         for dp_rank, (p, g, o) in enumerate(states):
-            rank = (pp_rank * layout.dims.dp + dp_rank) * layout.dims.tp
+            rank = layout.rank_of(pp_rank, dp_rank)
             ranks.append(RankMemory(rank, pp_rank, dp_rank, p, g, o, act, comm))
     return Estimate(config, layout, ranks)
 

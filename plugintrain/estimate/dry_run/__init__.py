@@ -39,7 +39,7 @@ from plugintrain.estimate.dry_run.checks import (
 from plugintrain.estimate.dry_run.pool import build_ranks
 from plugintrain.estimate.dry_run.report import DryRunReport, dry_run
 from plugintrain.estimate.dry_run.trace import StepTrace, Traffic, TrafficRecorder, untraced
-from plugintrain.estimate.dry_run.world import fake_world, parse_ranks, rank_of, sample_ranks
+from plugintrain.estimate.dry_run.world import fake_world, parse_ranks, sample_ranks
 
 __all__ = [
     "DryRank",
@@ -55,7 +55,6 @@ __all__ = [
     "ownership_problems",
     "p2p_problems",
     "parse_ranks",
-    "rank_of",
     "sample_ranks",
     "trainable_stages",
     "untraced",

@@ -42,20 +42,13 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def rank_of(layout: Layout, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-    """The global rank at mesh coordinates ``(pp, dp, tp)`` (tp innermost; with experts,
-    ``dp = edp x ep`` flattened the same way)."""
-    dims = layout.dims
-    return (pp_rank * dims.dp + dp_rank) * dims.tp + tp_rank
-
-
 def sample_ranks(layout: Layout) -> list[int]:
     """One rank of every kind: per pipeline stage, the first and last dp rank (ZeRO's
     padding lands on the last) and the first and last tp rank; every rank of a small
     layout."""
     dims = layout.dims
     picked = {
-        rank_of(layout, pp, dp, tp)
+        layout.rank_of(pp, dp, tp)
         for pp in range(dims.pp)
         for dp in sorted({0, dims.dp - 1})
         for tp in sorted({0, dims.tp - 1})
