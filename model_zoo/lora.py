@@ -29,6 +29,7 @@ import dataclasses
 import fnmatch
 import math
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from torch import Tensor, nn
 
 from plugintrain.core.initialization import seeded_normal_, seeded_uniform_
 from plugintrain.model_zoo.layers import Attention, SwiGLU
+from plugintrain.model_zoo.quantization import QUANTIZATIONS, QuantizedWeight, unquantizable
 
 RECORD_KEY = "lora"
 """Where a LoRA run's checkpoint keeps the adapters' spec and the base they were trained on."""
@@ -59,7 +61,9 @@ class LoRALinear(nn.Linear):
     ``A`` is ``(r, in_features)``, ``B`` is ``(out_features, r)``; the adapter adds
     ``scaling * B A x`` with ``scaling = alpha / r``. A base weight stored in a lower
     precision than the adapter (``base_dtype``) is computed in its own dtype and the
-    result cast back to the input's. Bound to a :class:`SharedInput` (``shared``, by
+    result cast back to the input's. A base held quantized (QLoRA: ``weight`` is then a
+    :class:`~plugintrain.model_zoo.quantization.QuantizedWeight`) is dequantized per
+    matmul, and cannot be merged. Bound to a :class:`SharedInput` (``shared``, by
     :func:`inject`), the adapter's ``A`` runs with its siblings' on their common input.
 
     Args:
@@ -99,6 +103,8 @@ class LoRALinear(nn.Linear):
         return rows.view(*x.shape[:-1], self.out_features)
 
     def _base(self, x: Tensor) -> Tensor:
+        if isinstance(self.weight, QuantizedWeight):
+            return self.weight.linear(x, self.bias).to(x.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
     def tp_placements(self, kind: str) -> dict[str, int | None]:
@@ -113,6 +119,11 @@ class LoRALinear(nn.Linear):
     def merge(self) -> None:
         """Add ``scaling * B A`` into the weight, in place, on this rank's shard; a no-op if
         merged already."""
+        if isinstance(self.weight, QuantizedWeight):
+            raise ValueError(
+                f"cannot merge a LoRA adapter into a {self.weight.kind} base weight; read the"
+                " run through plugintrain export, which dequantizes the base, then merges"
+            )
         if not self.merged:
             self.weight.add_(self._delta())
             self.merged = True
@@ -292,6 +303,7 @@ class LoRASpec:
     bias: str = "none"
     init: str = "kaiming"
     base_dtype: str | None = None
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -312,9 +324,15 @@ class LoRASpec:
             ("bias", self.bias, BIAS_MODES),
             ("init", self.init, INITS),
             ("base_dtype", self.base_dtype, (None, *BASE_DTYPES)),
+            ("quantize", self.quantize, (None, *QUANTIZATIONS)),
         ):
             if value not in allowed:
                 return f"LoRA {field}={value!r}: use one of {', '.join(map(str, allowed))}"
+        if self.quantize is not None and self.base_dtype is not None:
+            return (
+                f"LoRA quantize={self.quantize!r} and base_dtype={self.base_dtype!r}: a"
+                " quantized base has no dtype of its own to choose; drop base_dtype"
+            )
         return None
 
     def record(self) -> dict[str, object]:
@@ -374,8 +392,42 @@ def inject(module: nn.Module, spec: LoRASpec) -> list[str]:
     if spec.base_dtype is not None:  # once every flag is final: only what stays frozen
         for _, layer in adapted_layers(module):
             _cast_frozen(layer, BASE_DTYPES[spec.base_dtype])
+    if spec.quantize is not None:
+        quantize_frozen(module, spec.quantize)
     _share_inputs(module)
     return adapted
+
+
+def quantize_frozen(module: nn.Module, kind: str) -> dict[str, str]:
+    """Hold every adapted layer's frozen weight as a
+    :class:`~plugintrain.model_zoo.quantization.QuantizedWeight` of ``kind`` (on the meta
+    device: to be filled by loading or initialization; real weights: quantized here, one
+    layer at a time), and return the layers kept as they are, with why (a weight listed
+    under ``trainable``, or one whose size the quantization's block does not divide)."""
+    kept = {}
+    for path, layer in adapted_layers(module):
+        weight = layer.weight
+        if isinstance(weight, QuantizedWeight):
+            continue
+        why = "it trains" if weight.requires_grad else unquantizable(kind, tuple(weight.shape))
+        if why is not None:
+            kept[path] = why
+            continue
+        quantized = QuantizedWeight.from_weight(weight.detach(), kind)
+        del layer.weight
+        layer.weight = quantized
+    if kept:
+        listed = ", ".join(f"{path} ({why})" for path, why in kept.items())
+        warnings.warn(f"LoRA quantize={kind!r}: kept unquantized: {listed}", stacklevel=2)
+    return kept
+
+
+def quantized_weights(module: nn.Module) -> Iterator[tuple[str, QuantizedWeight]]:
+    """Every :class:`~plugintrain.model_zoo.quantization.QuantizedWeight` of ``module``
+    with its path (the path of the weight it stands for, e.g. ``...attention.wq.weight``)."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, QuantizedWeight):
+            yield path, sub
 
 
 def check(module: nn.Module, spec: LoRASpec) -> list[str]:

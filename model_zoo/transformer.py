@@ -26,6 +26,7 @@ from plugintrain.model_zoo.layers import (
 )
 from plugintrain.model_zoo.mla import LatentKVCache, MultiHeadLatentAttention
 from plugintrain.model_zoo.moe import MoE
+from plugintrain.model_zoo.quantization import QuantizedWeight
 
 
 class TransformerBlock(nn.Module):
@@ -111,13 +112,20 @@ class Transformer(nn.Module):
         values come from :func:`~plugintrain.core.initialization.seeded_normal_` keyed by each
         parameter's full-model name (a tied head by the embedding's), so a pipeline stage
         or a tensor-parallel / FSDP2 shard initialized on its own holds exactly its part
-        of the one-process weights.
+        of the one-process weights. A base weight held quantized (QLoRA) is drawn whole
+        under its name, then quantized.
         """
         self.init_buffers()
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layer)
         canonical = {b: a for a, b in self.tied_parameters()}
         for module_name, module in self.named_modules():
+            if isinstance(module, QuantizedWeight):  # QLoRA: drawn whole, then quantized
+                full = torch.empty(module.shape, dtype=module.dtype, device=module.device)
+                is_residual = module_name.endswith((".wo.weight", ".w2.weight"))
+                std_here = residual_std if is_residual else std
+                module.quantize_(seeded_normal_(full, std_here, self.init_seed, module_name))
+                continue
             for name, param in module.named_parameters(prefix=module_name, recurse=False):
                 if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) and name.endswith("weight"):
                     nn.init.ones_(param)

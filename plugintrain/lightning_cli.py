@@ -364,7 +364,7 @@ class PluginTrainCLI(LightningCLI):
         for callback in self.trainer.callbacks:  # LoRA: its globs against the model's modules
             check = getattr(callback, "check_model", None)
             if callable(check):
-                check(self.model)
+                check(self.model, self.trainer.strategy)
         super().after_instantiate_classes()
 
     @override

@@ -56,6 +56,16 @@ class LoRA(Callback):
         base_dtype: Store the adapted layers' frozen weights in ``bf16`` (or ``fp16``) to
             halve their memory while the adapters train in the model's dtype; None keeps
             the model's dtype.
+        quantize: Hold the adapted layers' frozen weights quantized (QLoRA): ``nf4``
+            (NormalFloat-4, blocks of 64, double-quantized block scales: 4.127 bits a
+            weight) or ``int8`` (per-row absmax); None keeps them as ``base_dtype`` says.
+            Weights are quantized as they load (one tensor at a time) and dequantized per
+            matmul into the compute dtype; adapters, norms, embeddings and the head stay
+            as the precision plugin says. A weight whose size the block does not divide,
+            or one listed under ``trainable``, is kept as it is (and said once). Runs
+            under every strategy that holds whole weights (one process, ``ddp_bucketed``,
+            ``zero1``, ``zero2``, ``hybrid``/``pipeline`` with ``tensor_parallel: 1``,
+            FSDP2 included); tensor parallelism is refused.
         adapter: A PEFT adapter directory (``adapter_config.json`` and
             ``adapter_model.safetensors``, e.g. ``plugintrain export --format peft``'s or
             ``peft``'s ``save_pretrained``'s) to start the adapters from instead of
@@ -74,6 +84,7 @@ class LoRA(Callback):
         bias: str = "none",
         init: str = "kaiming",
         base_dtype: str | None = None,
+        quantize: str | None = None,
         adapter: str | None = None,
     ) -> None:
         default = lora.LoRASpec.target_modules
@@ -86,6 +97,7 @@ class LoRA(Callback):
             bias=bias,
             init=init,
             base_dtype=base_dtype,
+            quantize=quantize,
         )
         self.adapter = adapter
         self.adapted: list[str] = []
@@ -96,11 +108,16 @@ class LoRA(Callback):
     def state_key(self) -> str:
         return f"LoRA(r={self.spec.r})"
 
-    def check_model(self, pl_module: pl.LightningModule) -> None:
+    def check_model(self, pl_module: pl.LightningModule, strategy: Any = None) -> None:
         """Raise what :meth:`on_model_built` would (a glob matching nothing, a target that
-        is no Linear layer, a tied one); a module that builds its model in
-        ``configure_model`` is checked on a copy built on the meta device (nothing is
-        allocated). ``plugintrain fit`` calls it before any process is launched."""
+        is no Linear layer, a tied one, a quantized base that ``strategy`` cannot hold); a
+        module that builds its model in ``configure_model`` is checked on a copy built on
+        the meta device (nothing is allocated). ``plugintrain fit`` calls it before any
+        process is launched."""
+        if self.spec.quantize is not None and strategy is not None:
+            problem = quantized_base_problem(strategy, self.spec.quantize)
+            if problem is not None:
+                raise ValueError(problem)
         if not is_overridden("configure_model", pl_module):
             lora.check(pl_module, self.spec)
             self._peft_start(pl_module)
@@ -117,7 +134,8 @@ class LoRA(Callback):
         if not is_overridden("configure_model", pl_module):
             self.on_model_built(trainer, pl_module)  # the model exists already
         elif not getattr(trainer.strategy, "calls_on_model_built", False):
-            _after_configure_model(pl_module, functools.partial(self.on_model_built, trainer))
+            hook = functools.partial(self.on_model_built, trainer)
+            _after_configure_model(pl_module, hook, on_meta=self.spec.quantize is not None)
         base = base_name(pl_module)
         if base is not None and trainer.is_global_zero and self._base_hash is None:
             # Hashed beside the first steps (hashlib releases the GIL); needed at the first save.
@@ -216,6 +234,33 @@ class LoRA(Callback):
 BASE_OPTION = "model.init_args.weights"
 """Where a recipe names the base weights."""
 
+QUANTIZED_BASE_STRATEGIES = (
+    "one process, ddp_bucketed, zero1, zero2, hybrid or pipeline with tensor_parallel: 1"
+    " (FSDP2: zero_stage: 3)"
+)
+"""Where a quantized base runs (what the refusal below names)."""
+
+
+def quantized_base_problem(strategy: Any, kind: str) -> str | None:
+    """Why ``strategy`` cannot hold a base quantized as ``kind``, in one line with the
+    strategies that can; None if it can. A quantized weight is one flat byte tensor per
+    layer: strategies that keep whole weights (or shard flat parameters, FSDP2) hold it;
+    tensor parallelism splits weights by rows or columns, and Lightning's FSDP and
+    DeepSpeed flatten parameters of one dtype."""
+    tp = getattr(getattr(strategy, "parallel_dims", None), "tensor_parallel", 1)
+    name = type(strategy).__name__
+    if isinstance(tp, int) and tp > 1:
+        return (
+            f"LoRA quantize: {kind} cannot run under {name}(tensor_parallel={tp}): a quantized"
+            f" base weight is not split over tensor-parallel ranks; use {QUANTIZED_BASE_STRATEGIES}"
+        )
+    if name in ("FSDPStrategy", "DeepSpeedStrategy"):
+        return (
+            f"LoRA quantize: {kind} cannot run under Lightning's {name}, which flattens"
+            f" parameters of one dtype; use {QUANTIZED_BASE_STRATEGIES}"
+        )
+    return None
+
 
 def base_name(pl_module: pl.LightningModule) -> str | None:
     """The module's base weights as a checkpoint records them: a pretrained name as it
@@ -287,15 +332,32 @@ def _is_lora(callback: Any) -> bool:
     return isinstance(path, str) and path.rpartition(".")[2] == "LoRA"
 
 
-def _after_configure_model(pl_module: pl.LightningModule, hook: Any) -> None:
-    """Make ``pl_module.configure_model`` call ``hook(pl_module)`` after itself."""
+def _after_configure_model(pl_module: pl.LightningModule, hook: Any, on_meta: bool) -> None:
+    """Make ``pl_module.configure_model`` call ``hook(pl_module)`` after itself; with
+    ``on_meta`` (a quantized base), build on the meta device, put the adapters in there,
+    then allocate and call ``init_weights`` (which loads the base, quantizing each weight
+    as it is read): the base is never held whole in full precision. A module that cannot
+    initialize its own weights (no ``init_weights``) is built as it is and quantized after."""
     original = pl_module.configure_model
     if getattr(original, "_lora_hook", None) == hook.func:
         return  # wrapped by an earlier `setup` (another stage) already
 
     def configure_model() -> None:
-        original()
-        hook(pl_module)
+        if not (on_meta and callable(getattr(type(pl_module), "init_weights", None))):
+            original()
+            hook(pl_module)
+            return
+        device = torch.empty(()).device
+        before = {id(p) for p in pl_module.parameters()}
+        with torch.device("meta"):
+            original()
+            hook(pl_module)
+        if any(id(p) not in before for p in pl_module.parameters()):  # built just now
+            for child in pl_module.children():
+                if any(p.is_meta for p in child.parameters()):
+                    child.to_empty(device=device)
+            with torch.no_grad():
+                pl_module.init_weights()
 
     configure_model._lora_hook = hook.func  # type: ignore[attr-defined]
     pl_module.configure_model = configure_model

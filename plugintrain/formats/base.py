@@ -21,7 +21,7 @@ from plugintrain.checkpoints.files import shape_mismatch
 from plugintrain.core.tensor_boxes import Box, local_box, select
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.families import family_of
-from plugintrain.model_zoo.lora import is_adapter_name
+from plugintrain.model_zoo.lora import is_adapter_name, quantized_weights
 from plugintrain.model_zoo.transformer import Transformer
 from plugintrain.model_zoo.weight_plans import Plan
 
@@ -184,7 +184,9 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
     the file's), a pipeline stage of one, or one holding DTensor shards (tp, FSDP2). Each
     tensor this rank holds is read once and only its local box is copied (a tied pair is
     one tensor, written once); a stacked expert tensor reads only the experts in the box
-    (:meth:`Weights.read_box`). LoRA adapters in ``model`` are left alone.
+    (:meth:`Weights.read_box`). LoRA adapters in ``model`` are left alone; a base weight
+    held quantized (QLoRA) is read whole and quantized as it arrives, one at a time, each
+    rank keeping its shard of the packed bytes.
 
     Raises:
         WeightFormatError: Before anything is copied, if the file does not hold exactly the
@@ -193,6 +195,9 @@ def load_into(model: nn.Module, weights: Weights, config: TransformerConfig | No
     """
     weights.check(model_shapes(config or weights.config))
     seen: set[int] = set()
+    for name, quantized in quantized_weights(model):  # QLoRA: quantized as they are read
+        quantized.quantize_(weights.read(name))
+        seen.add(id(quantized.packed))
     for name, param in model.state_dict(keep_vars=True).items():
         if id(param) in seen or is_adapter_name(name):  # adapters are not the base's
             continue
