@@ -12,7 +12,12 @@ Everything else in this project was tested on the CPU, so the CPU is the referen
   run, step by step;
 - :func:`throughput`: ``gpt2-124m`` and ``llama3.2-1b`` (random weights) in ``bf16-mixed``:
   tokens/s, MFU against the dense bf16 peak (:mod:`plugintrain.core.peak_flops`) and peak
-  memory from the CUDA allocator.
+  memory from the CUDA allocator;
+- :func:`qlora_parity`: QLoRA's ``nf4`` and ``int8`` on the device against the CPU: the
+  packed bytes of one weight equal, its dequantized values equal, and a quantized LoRA
+  layer's output and gradients within fp32 tolerance;
+- :func:`qlora_throughput`: ``llama3.2-1b`` (random weights) with LoRA r=16 on every
+  projection and an ``nf4`` base, ``bf16-mixed``: tokens/s and peak memory.
 
 :func:`run_checks` runs the sections asked for, one report row per check.
 
@@ -63,6 +68,11 @@ PRECISIONS = ("bf16-mixed", "bf16-true", "16-mixed")
 STRATEGIES = tuple(s.name for s in REGISTERED.values() if s.one_process is not None)
 """The strategies that run in one process, in registration order."""
 THROUGHPUT_RUNS = {"gpt2-124m": (16, 1024), "llama3.2-1b": (4, 1024)}
+QUANTIZATIONS = ("nf4", "int8")
+QLORA_RUNS = {"llama3.2-1b qlora nf4": ("llama3.2-1b", 4, 1024)}
+"""Name -> (preset, sequences, tokens each): the QLoRA throughput row."""
+QLORA_TARGETS = ["*.attention.wq", "*.attention.wk", "*.attention.wv", "*.attention.wo",
+                 "*.feed_forward.*"]  # fmt: skip
 """Preset -> (sequences, tokens each) per step: benchmarks/gpu.yaml's shapes."""
 LOGITS_TOL = 1e-4
 """Relative and absolute tolerance of fp32 logits: a few fp32 roundings per layer apart."""
@@ -241,6 +251,78 @@ def throughput(preset: str, device: torch.device, steps: int = 10, warmup: int =
     return _throughput_check(preset, record)
 
 
+def qlora_parity(kind: str, device: torch.device) -> Check:
+    """QLoRA's ``kind`` on ``device`` against the CPU, fp32: one 1024 x 512 weight's packed
+    bytes and dequantized values equal, and a quantized LoRA layer's output and gradients
+    within fp32 tolerance."""
+    from plugintrain.model_zoo import quantization
+    from plugintrain.model_zoo.lora import LoRASpec, init_adapters, inject
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 512, generator=generator) * 0.02
+    x = torch.randn(8, 512, generator=generator)
+    packed = {d: quantization.quantize(weight.to(d), kind).cpu() for d in ("cpu", device)}
+    same_bytes = torch.equal(packed["cpu"], packed[device])
+    values = {
+        d: quantization.dequantize(packed["cpu"].to(d), kind, (1024, 512), torch.float32).cpu()
+        for d in ("cpu", device)
+    }
+    same_values = torch.equal(values["cpu"], values[device])
+    results = {}
+    with full_fp32():
+        for d in ("cpu", device):
+            layer = nn.Sequential(nn.Linear(512, 1024, bias=False))
+            layer[0].weight.data.copy_(weight)
+            inject(layer, LoRASpec(r=8, target_modules=("0",), quantize=kind))
+            init_adapters(layer, seed=0)
+            layer[0].lora_B.data.normal_(generator=torch.Generator().manual_seed(1))
+            layer.to(d)
+            xd = x.to(d).requires_grad_(True)
+            out = layer(xd)
+            out.square().sum().backward()
+            results[d] = (out.cpu(), xd.grad.cpu(), layer[0].lora_A.grad.cpu())
+    diffs = [float((a - b).abs().max()) for a, b in zip(*results.values(), strict=True)]
+    close = all(
+        torch.allclose(a, b, rtol=LOGITS_TOL, atol=LOGITS_TOL)
+        for a, b in zip(*results.values(), strict=True)
+    )
+    ok = same_bytes and same_values and close
+    detail = (
+        f"packed bytes {'equal' if same_bytes else 'DIFFER'}, dequantized"
+        f" {'equal' if same_values else 'DIFFER'}, layer output/grads max diff {max(diffs):.1e}"
+    )
+    return Check("qlora", kind, ok, detail, {"diffs": diffs})
+
+
+def qlora_throughput(name: str, device: torch.device, steps: int = 10, warmup: int = 3) -> Check:
+    """:data:`QLORA_RUNS` ``name``: random weights, LoRA r=16 on every projection with an
+    ``nf4`` base, ``bf16-mixed``, AdamW on the adapters: tokens/s and peak memory."""
+    from plugintrain.callbacks import LoRA
+
+    preset, batch, seq_len = QLORA_RUNS[name]
+    config = TransformerConfig.from_name(preset, block_size=seq_len)
+    optimizer = functools.partial(torch.optim.AdamW, lr=3e-4, fused=device.type == "cuda")
+    module = CausalLM(config, optimizer=optimizer, warmup_steps=0, lr_decay_steps=1000)
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1))
+    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    loader = torch.utils.data.DataLoader(data, batch_size=batch)
+    lora = LoRA(r=16, alpha=32, target_modules=QLORA_TARGETS, quantize="nf4")
+    with tempfile.TemporaryDirectory() as out:
+        trainer = L.Trainer(
+            accelerator=device.type,
+            devices=1,
+            plugins=[precision_plugin_from_name("bf16-mixed")],
+            max_steps=warmup + steps + 1,
+            callbacks=[lora, BenchRecorder(out, warmup=warmup)],
+            **_QUIET_TRAINER,
+        )
+        trainer.fit(module, loader)
+        record = json.loads((Path(out) / "rank0.json").read_text())
+    check = _throughput_check(name, record)
+    check.section, check.name = "qlora", name
+    return check
+
+
 def _throughput_check(preset: str, record: dict[str, Any]) -> Check:
     seconds = statistics.median(record["step_seconds"])
     tokens_per_s = record["tokens_per_step"] / seconds
@@ -278,6 +360,8 @@ def planned_checks(
         "precision": (PRECISIONS, precision_trains),
         "strategy": (STRATEGIES, strategy_parity),
         "throughput": (tuple(THROUGHPUT_RUNS), throughput),
+        "qlora": (QUANTIZATIONS, qlora_parity),
+        "qlora_throughput": (tuple(QLORA_RUNS), qlora_throughput),
     }
     return [
         (section, name, functools.partial(plan[section][1], name, device))

@@ -3,7 +3,8 @@ one prepared check of the CUDA path on a machine with one GPU, in a few minutes.
 
 It runs :mod:`plugintrain.bench.gpu_checks` (logits against the CPU for every model family,
 training steps in each reduced precision, each strategy that fits one process against
-the CPU's losses, and GPT-2 124M / Llama 3.2 1B throughput with MFU and peak memory),
+the CPU's losses, GPT-2 124M / Llama 3.2 1B throughput with MFU and peak memory, QLoRA's
+quantization against the CPU and a Llama 3.2 1B QLoRA row with tokens/s and peak memory),
 prints one table and writes it as JSON. Exit status 0 when every check passed, 1 when one
 failed. Without a CUDA device it is a dry run: it says so, checks nothing and exits 0.
 """
@@ -22,7 +23,7 @@ NCCL_NOTE = (
     " multi-rank runs are the schedule simulator's rendezvous proof"
     " (tests/unit/test_pipeline_schedules.py) and the gloo runs of tests/distributed."
 )
-Section = Literal["logits", "precision", "strategy", "throughput"]
+Section = Literal["logits", "precision", "strategy", "throughput", "qlora", "qlora_throughput"]
 SECTIONS: tuple[Section, ...] = get_args(Section)
 
 

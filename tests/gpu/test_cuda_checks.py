@@ -49,3 +49,16 @@ def test_throughput_is_measured(preset: str) -> None:
 
     if chip_of(name) is not None:  # a chip in the dense-peak table has an MFU
         assert 0 < figures["mfu"] < 1, check.detail
+
+
+@pytest.mark.parametrize("kind", gpu_checks.QUANTIZATIONS)
+def test_qlora_dequantize_on_cuda_equals_the_cpu_s(kind: str) -> None:
+    check = gpu_checks.qlora_parity(kind, CUDA)
+    assert check.ok, check.detail
+
+
+@pytest.mark.parametrize("name", list(gpu_checks.QLORA_RUNS))
+def test_qlora_throughput_is_measured(name: str) -> None:
+    check = gpu_checks.qlora_throughput(name, CUDA)
+    assert check.figures["tokens_per_s"] > 0 and check.figures["peak_bytes"] > 0, check.detail
+    assert check.figures["loss"] is not None and check.figures["loss"] < 20, check.detail

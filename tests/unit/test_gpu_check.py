@@ -120,3 +120,16 @@ def test_throughput_figures_from_a_record() -> None:
     assert check.figures["tokens_per_s"] == 8192 / 0.5  # the median step
     assert check.figures["mfu"] == pytest.approx(1e9 * 8192 / 0.5 / 1e15)
     assert check.detail == "16,384 tokens/s, MFU 1.6%, peak memory 3.0 GiB"
+
+
+@pytest.mark.parametrize("kind", gpu_checks.QUANTIZATIONS)
+def test_qlora_check_runs(kind: str) -> None:
+    check = gpu_checks.qlora_parity(kind, CPU)  # the device is the CPU: equal by definition
+    assert check.ok and check.figures["diffs"] == [0.0, 0.0, 0.0], check.detail
+
+
+def test_qlora_throughput_row_reports_its_figures(monkeypatch) -> None:
+    monkeypatch.setitem(gpu_checks.QLORA_RUNS, "llama3-debug qlora nf4", ("llama3-debug", 2, 16))
+    check = gpu_checks.qlora_throughput("llama3-debug qlora nf4", CPU, steps=2, warmup=1)
+    assert (check.section, check.name) == ("qlora", "llama3-debug qlora nf4")
+    assert check.figures["tokens_per_s"] > 0 and check.figures["peak_bytes"] > 0
