@@ -30,6 +30,7 @@ runs, so under FSDP2 each pass sees the parameter the block's all-gather put the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any
@@ -336,9 +337,10 @@ class QuantizedWeight(nn.Module):
         """``x W^T + b`` in ``x``'s dtype (the autocast dtype under autocast), the weight
         dequantized for the matmul and again for the backward, never kept."""
         device = x.device.type
-        if torch.is_autocast_enabled(device):
+        autocasting = device != "meta" and torch.is_autocast_enabled(device)  # (dry runs: meta)
+        if autocasting:
             x = x.to(torch.get_autocast_dtype(device))
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(device, enabled=False) if autocasting else contextlib.nullcontext():
             y = _DequantizedMatmul.apply(x, self)
             return y if bias is None else y + bias.to(y.dtype)
 

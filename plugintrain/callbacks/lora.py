@@ -114,6 +114,12 @@ class LoRA(Callback):
         module that builds its model in ``configure_model`` is checked on a copy built on
         the meta device (nothing is allocated). ``plugintrain fit`` calls it before any
         process is launched."""
+        if self.spec.quantize is not None and base_name(pl_module) is None:
+            raise ValueError(
+                f"LoRA quantize: {self.spec.quantize} quantizes a pretrained base, and this"
+                f" model has none; set {BASE_OPTION} (a Hugging Face directory, GGUF, llm.c"
+                " file, checkpoint or pretrained name), or drop quantize"
+            )
         if self.spec.quantize is not None and strategy is not None:
             problem = quantized_base_problem(strategy, self.spec.quantize)
             if problem is not None:

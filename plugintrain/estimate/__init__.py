@@ -7,7 +7,9 @@ state (:mod:`~plugintrain.estimate.state`, laid out by the gradient engine's own
 code on a meta-device model: :mod:`~plugintrain.estimate.parameters`), activations by
 schedule (:mod:`~plugintrain.estimate.activations`) and communication buffers. The
 biggest rank decides whether a layout fits (:meth:`Estimate.peak`);
-:func:`fitting_layouts` enumerates layouts over up to N devices under a memory limit.
+:func:`fitting_layouts` enumerates layouts over up to N devices under a memory limit (with
+LoRA, proposing a quantized base, QLoRA, where only that fits). A QLoRA base is counted at
+its packed bytes (block scales and padding included; FSDP2 shards them like any parameter).
 :mod:`~plugintrain.estimate.dry_run` checks a layout rank by rank on the real code path
 (torch's fake process group, meta tensors); :mod:`~plugintrain.estimate.recipe` reads a
 fit recipe's model and layout; :mod:`~plugintrain.estimate.timing` predicts a layout's step

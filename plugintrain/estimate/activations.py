@@ -5,7 +5,8 @@ on the zoo's blocks, see :func:`block_saved_bytes`; a mixture-of-experts block b
 routed ``tokens x top_k`` assignments), times the micro-batches a pipeline rank holds at
 once under its schedule (the schedule's own actions are walked), plus the largest
 transient of the step: the loss's ``(B, T, V)`` gradients at the start of backward, or a
-recomputed block.
+recomputed block. A quantized base (QLoRA) adds its largest weight dequantized for one
+matmul, forward and backward (:func:`_dequantized`).
 """
 
 from __future__ import annotations
@@ -206,7 +207,22 @@ def _chunk(
         # micro-batches still in flight (by then this one's own tensors are freed).
         table = w.vocab * w.d * (2 if layout.precision == "bf16-true" else 4)
         backward = max(backward, table - saved)
-    return _Chunk(saved, forward, backward)
+    dequantized = _dequantized(params, layers)
+    return _Chunk(saved, forward + dequantized, backward + dequantized)
+
+
+DEQUANTIZE_BYTES = 6
+"""Bytes a weight while a quantized weight is dequantized for its matmul, forward or
+backward (measured with :class:`~plugintrain.core.memory.LiveTensorMemory`: nf4's int32
+lookup indices then fp32 values, or int8's fp32 values, then the compute dtype's copy)."""
+
+
+def _dequantized(params: tuple[Param, ...], layers: list[int]) -> int:
+    """The transient of dequantizing the largest quantized weight of ``layers``."""
+    blocks = set(layers)
+    return DEQUANTIZE_BYTES * max(
+        (p.packs for p in params if p.packs and stage_of(p.name) in blocks), default=0
+    )
 
 
 def _frozen_embedding(params: tuple[Param, ...]) -> bool:

@@ -54,7 +54,8 @@ class Layout:
     blocks: BlockOptions = field(default_factory=BlockOptions)
     """Activation recomputation."""
     lora: LoRASpec | None = None
-    """The LoRA adapters (the LoRA callback's spec); None: every parameter trains."""
+    """The LoRA adapters (the LoRA callback's spec, its ``quantize`` too: QLoRA); None:
+    every parameter trains."""
     precision: str = "32-true"
     """One of :data:`PRECISIONS`."""
     micro_batch: int = 1
@@ -107,13 +108,15 @@ class Layout:
         every_n_layers: int = 1,
         lora_r: int = 0,
         lora_targets: Sequence[str] | None = None,
+        lora_quantize: str | None = None,
         **sizes: Any,
     ) -> Layout:
         """The layout ``plugintrain estimate``'s options (and the strategies' arguments)
         name: the degrees into :class:`ParallelDims` (ZeRO stage from the strategy name),
         the pipeline's into :class:`PipelineOptions`, recomputation into
         :class:`BlockOptions`, ``lora_r > 0`` into a :class:`LoRASpec` (the LoRA callback's
-        default targets unless ``lora_targets``); ``sizes``: the other fields."""
+        default targets unless ``lora_targets``; its frozen base held as ``lora_quantize``
+        says: QLoRA); ``sizes``: the other fields."""
         stage = ENGINE_STAGE.get(strategy, zero_stage if strategy == "hybrid" else 0)
         dims = ParallelDims(
             world_size=dp * tp * pp,
@@ -129,12 +132,18 @@ class Layout:
         targets = {} if lora_targets is None else {"target_modules": tuple(lora_targets)}
         if lora_r < 0:
             raise ValueError(f"these must be positive: {{'lora_r': {lora_r}}}")
+        if lora_quantize is not None and not lora_r:
+            raise ValueError(
+                f"lora_quantize={lora_quantize!r} quantizes LoRA's frozen base; give lora_r"
+                " (e.g. --lora_r 16) or leave lora_quantize out"
+            )
+        quantize = {} if lora_quantize is None else {"quantize": lora_quantize}
         return cls(
             strategy=strategy,
             dims=dims,
             pipeline=PipelineOptions.resolve(dims, schedule, microbatches, counts),
             blocks=BlockOptions(recompute, every_n_layers, strategy_name="estimate"),
-            lora=LoRASpec(r=lora_r, **targets) if lora_r else None,
+            lora=LoRASpec(r=lora_r, **targets, **quantize) if lora_r else None,
             **sizes,
         )
 
@@ -159,6 +168,11 @@ class Layout:
         return (pp_rank * self.dims.dp + dp_rank) * self.dims.tp + tp_rank
 
     @property
+    def quantize(self) -> str | None:
+        """How LoRA's frozen base is held (``nf4``, ``int8``: QLoRA); None: unquantized."""
+        return None if self.lora is None else self.lora.quantize
+
+    @property
     def stage(self) -> int | None:
         """The gradient engine's ZeRO stage (3: FSDP2); None without data parallelism's
         engine (one device under Lightning's own loop)."""
@@ -173,6 +187,12 @@ class Layout:
                 f"{config.block_size}; use seq_len <= {config.block_size}"
             )
         self.dims.validate_model(config, self.seq_len)
+        kind = self.quantize
+        if kind is not None and self.dims.tp > 1:  # the LoRA callback's own refusal
+            raise ValueError(
+                f"LoRA quantize: {kind} cannot run with tp={self.dims.tp}: a quantized base"
+                " weight is not split over tensor-parallel ranks; use tp 1 (dp, pp or FSDP2)"
+            )
         if self.dims.pp > 1:
             counts = self.pipeline.layers_per_stage
             check_layers(config.n_layer, self.dims.pp, self.dims.vpp, counts)
@@ -200,6 +220,7 @@ class Layout:
             "every_n_layers": self.blocks.every_n_layers,
             "lora_r": lora.r if lora else 0,
             "lora_targets": list(lora.target_modules) if lora else None,
+            "lora_quantize": self.quantize,
             "bucket_size_mb": self.bucket_size_mb,
             "world_size": self.world_size,
         }

@@ -1,7 +1,9 @@
 """The model's parameters as the strategies cut them, built once on the meta device.
 
 Names, shapes, tied weights and LoRA adapters are the real ones (the zoo's model with
-LoRA put in as the LoRA callback does); each parameter is cut as the family's
+LoRA put in as the LoRA callback does, a QLoRA base as the packed ``uint8`` parameters of
+its :class:`~plugintrain.model_zoo.quantization.QuantizedWeight` layers, block scales and
+padding included); each parameter is cut as the family's
 tensor-parallel plan cuts it (a mixture of experts' stacked experts over ``ep``) and kept on
 the pipeline stages that hold it. Nothing is allocated.
 """
@@ -21,6 +23,7 @@ from plugintrain.estimate.layout import Layout
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.families import tp_plan
 from plugintrain.model_zoo.lora import LoRASpec, inject
+from plugintrain.model_zoo.quantization import QuantizedWeight
 from plugintrain.model_zoo.transformer import Transformer
 from plugintrain.strategies.expert_parallel import expert_layers
 from plugintrain.strategies.pipeline_stages import rank_stages, stage_layer_keys
@@ -42,6 +45,12 @@ class Param:
     """The dim tensor parallelism splits; None: replicated on every tp rank."""
     expert: bool
     """A stacked expert weight: expert parallelism splits its dim 0."""
+    dtype: torch.dtype | None = None
+    """A dtype no precision changes (a quantized weight's packed ``uint8`` bytes: the
+    precision plugins and FSDP2's policy cast floating parameters only); None: the
+    precision's."""
+    packs: int = 0
+    """For a quantized weight's packed bytes: the weights they hold (0: not packed)."""
 
 
 def config_key(config: TransformerConfig) -> tuple:
@@ -76,7 +85,10 @@ def model_params(key: tuple, adapters: LoRASpec | None, tensor_parallel: bool) -
         dim = _tp_dim(modules[path], leaf, styles.get(path))
         ident = idents.setdefault(id(param), len(idents))
         shape, trains = tuple(param.shape), param.requires_grad
-        params.append(Param(index, ident, name, shape, trains, dim, path in experts))
+        fixed = None if param.dtype.is_floating_point else param.dtype
+        packs = modules[path].numel() if isinstance(modules[path], QuantizedWeight) else 0
+        expert = path in experts
+        params.append(Param(index, ident, name, shape, trains, dim, expert, fixed, packs))
     return tuple(params)
 
 
@@ -122,6 +134,8 @@ class Local:
     shape: tuple[int, ...]
     expert: bool = False
     """Reduced over the ranks holding the same experts (dp / ep of them), not over dp."""
+    block: int | None = None
+    """The transformer block it belongs to (FSDP2's unit); None: outside the blocks."""
 
     def numel(self) -> int:
         return self.size
@@ -154,5 +168,8 @@ def stage_params(
             shape[p.tp_dim] //= layout.dims.tp
         if p.expert:
             shape[0] //= layout.dims.ep
-        held.append(Local(math.prod(shape), dtype, p.trainable, tuple(shape), p.expert))
+        block = stage_of(p.name)
+        block = block if isinstance(block, int) else None
+        dtype_held = p.dtype or dtype
+        held.append(Local(math.prod(shape), dtype_held, p.trainable, tuple(shape), p.expert, block))
     return held

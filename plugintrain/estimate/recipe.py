@@ -6,9 +6,10 @@ the strategy's own option objects (its degrees over ``trainer.devices x
 trainer.num_nodes``, pipeline options, recomputation, bucket size), so what the strategy
 would refuse is refused here, with its words. The model preset, precision, the data's
 ``seq_len`` and ``batch_size`` (the per-rank batch; split into the pipeline's
-micro-batches) and a LoRA callback's rank and targets complete it. Lightning's own ``ddp``
-is estimated as plugintrain's bucketed DDP (the same replicated state); other strategies
-(the parameter server, FSDP and DeepSpeed of Lightning) are refused.
+micro-batches) and a LoRA callback's rank, targets and ``quantize`` (QLoRA) complete it.
+Lightning's own ``ddp`` is estimated as plugintrain's bucketed DDP (the same replicated
+state); other strategies (the parameter server, FSDP and DeepSpeed of Lightning) are
+refused.
 """
 
 from __future__ import annotations
@@ -109,12 +110,15 @@ def _data_defaults() -> dict[str, int]:
 
 
 def _lora(callbacks: Any) -> dict[str, Any]:
-    """A LoRA callback's rank and targets, as ``Layout.of`` takes them."""
+    """A LoRA callback's rank, targets and quantization, as ``Layout.of`` takes them."""
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("LoRA"):
             args = callback.get("init_args") or {}
-            targets = args.get("target_modules")
-            return {"lora_r": int(args.get("r", 8)), "lora_targets": targets}
+            return {
+                "lora_r": int(args.get("r", 8)),
+                "lora_targets": args.get("target_modules"),
+                "lora_quantize": args.get("quantize"),
+            }
     return {}
 
 

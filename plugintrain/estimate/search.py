@@ -1,5 +1,6 @@
 """Every rank's memory under a layout (:func:`estimate`), and the layouts of up to N devices
-that fit a memory limit (:func:`fitting_layouts`)."""
+that fit a memory limit (:func:`fitting_layouts`; with LoRA on an unquantized base, a
+layout that does not fit is proposed with its base quantized, QLoRA, where that fits)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from plugintrain.estimate.parameters import layout_params, stage_params
 from plugintrain.estimate.state import communication_bytes, training_state
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.strategies.pipeline_stages import PipelineOptions
+
+QUANTIZE_CHOICES = ("int8", "nf4")
+"""What ``--fit`` tries for LoRA's frozen base where it does not fit unquantized: the least
+lossy first (int8: 8 bits and a row scale a weight; nf4: 4.127 bits, the QLoRA paper's)."""
 
 _UNITS = {
     "": 1,
@@ -152,13 +157,36 @@ def fitting_layouts(
     microbatches: int | None = None,
 ) -> list[Estimate]:
     """The layouts of up to ``gpus`` devices whose largest rank needs at most ``memory``
-    bytes (:func:`candidate_layouts`), fewest devices first, then least memory per device."""
+    bytes (:func:`candidate_layouts`), fewest devices first, then least memory per device.
+
+    With LoRA on an unquantized base (``base.lora.quantize`` None), a layout that does not
+    fit as it is is estimated again with its frozen base quantized, as each of
+    :data:`QUANTIZE_CHOICES` in turn (tensor parallelism cannot hold a quantized base, so
+    only where tp is 1), and proposed with the first that fits: its ``layout.quantize``
+    names what to set as the LoRA callback's ``quantize``. A layout that fits unquantized
+    is proposed unquantized. A base quantized already is kept as it is."""
     fits = []
     for layout in candidate_layouts(config, gpus, base, microbatches):
-        result = estimate(config, layout)
-        if result.peak.total <= memory:
+        result = _first_fit(config, layout, memory)
+        if result is not None:
             fits.append(result)
     return sorted(fits, key=lambda e: (e.layout.world_size, e.peak.total))
+
+
+def _first_fit(config: TransformerConfig, layout: Layout, memory: int) -> Estimate | None:
+    """``layout``'s estimate if it fits ``memory``, else its first quantized variant's
+    that does (see :func:`fitting_layouts`); None if none fits."""
+    variants = [layout]
+    if layout.lora is not None and layout.quantize is None and layout.dims.tp == 1:
+        variants += [
+            dataclasses.replace(layout, lora=dataclasses.replace(layout.lora, quantize=kind))
+            for kind in QUANTIZE_CHOICES
+        ]
+    for variant in variants:
+        result = estimate(config, variant)
+        if result.peak.total <= memory:
+            return result
+    return None
 
 
 def _divisors(n: int) -> list[int]:

@@ -104,7 +104,10 @@ def communication_bytes(held: list[Local], layout: Layout) -> int:
     reduced and the one filling exist at once; a pipeline defers every reduction to the
     end of its schedule, so there the whole local gradient exists before it is scattered.
     FSDP2 gathers a block's parameters (the next one prefetched) and reduce-scatters its
-    gradients; its root unit (embeddings, head) stays gathered through the step.
+    gradients; its root unit (embeddings, head) stays gathered through the step. The root's
+    bound counts every matrix held; a quantized base (QLoRA) is held as flat bytes, not
+    matrices, so the two largest blocks' quantized bytes, whole, are added (the block
+    running and the one prefetched).
     """
 
     trainable = [p for p in held if p.trainable]
@@ -112,7 +115,7 @@ def communication_bytes(held: list[Local], layout: Layout) -> int:
         return 0
     if layout.stage == 3:
         root = sum(p.size * p.element_size() for p in held if len(p.shape) == 2)
-        return root  # an upper bound: the blocks' units are smaller than the root's
+        return root + sum(_quantized_blocks(held)[-2:])  # an upper bound, as said above
     groups = [p.expert for p in trainable]
     sizes = sorted(
         padded_numel(
@@ -122,3 +125,12 @@ def communication_bytes(held: list[Local], layout: Layout) -> int:
         for indices in assign_buckets(trainable, layout.bucket_size_mb, groups)
     )
     return sum(sizes) if layout.dims.pp > 1 else sum(sizes[-2:])
+
+
+def _quantized_blocks(held: list[Local]) -> list[int]:
+    """Each block's quantized (non-floating) bytes, whole, ascending."""
+    blocks: dict[int | None, int] = {}
+    for p in held:
+        if not p.dtype.is_floating_point:
+            blocks[p.block] = blocks.get(p.block, 0) + p.size * p.element_size()
+    return sorted(blocks.values())

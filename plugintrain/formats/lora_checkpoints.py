@@ -1,10 +1,18 @@
 """LoRA adapter checkpoints on the file side: adapters put back into a model, the sha256
 of the base weights an adapter checkpoint names (and the check against it), and an
 adapter checkpoint read as the whole model it describes (its base with the adapters
-merged, one tensor at a time). The layer itself is :mod:`plugintrain.model_zoo.lora`."""
+merged, one tensor at a time). The layer itself is :mod:`plugintrain.model_zoo.lora`.
+
+A QLoRA run (``quantize: nf4`` or ``int8``) trained its adapters on the base as it held
+it: each adapted layer's frozen weight quantized, dequantized per matmul. Whatever reads
+such a run back (a merged export, ``generate --adapter``) starts from that same base:
+those weights quantized and dequantized again (:func:`fake_quantize_base`, the same
+bytes, so the same values), then the adapters; nothing is held quantized, so they merge.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -15,7 +23,8 @@ from torch import Tensor, nn
 
 from plugintrain.data.assets import resolve_model_path
 from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
-from plugintrain.model_zoo.lora import LoRASpec, inject
+from plugintrain.model_zoo.lora import LoRASpec, adapted_layers, inject
+from plugintrain.model_zoo.quantization import QuantizedWeight, fake_quantize, unquantizable
 
 
 def read_lora_run(path: str | Path, fix: str) -> tuple[CheckpointReader, LoRASpec]:
@@ -35,14 +44,15 @@ def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
     """Put the adapters of the adapter checkpoint at ``path`` (a LoRA run's ``.ckpt`` file
     or DCP directory) into ``module`` (the LightningModule holding the base model, its
     base weights loaded; unmerged), with the tensors the run trained; returns their spec.
-    The caller checks the base (:func:`check_base`).
+    A QLoRA run's base is dequantized as it trained (:func:`inject_dequantized`). The
+    caller checks the base (:func:`check_base`).
 
     Raises:
         ValueError: If ``path`` holds no adapters, or not those of this model.
     """
 
     reader, spec = read_lora_run(path, "pass it as the model's weights instead")
-    inject(module, spec)
+    inject_dequantized(module, spec)
     params = dict(module.named_parameters())
     saved = set(reader.names())
     missing = sorted(
@@ -56,6 +66,39 @@ def load_adapter(module: nn.Module, path: str | Path) -> LoRASpec:
     for name in saved:
         params[f"{PREFIX}{name}"].copy_(reader.read(name))
     return spec
+
+
+def inject_dequantized(module: nn.Module, spec: LoRASpec) -> list[str]:
+    """:func:`~plugintrain.model_zoo.lora.inject` ``spec`` into ``module`` for inference:
+    a QLoRA spec's base is not held quantized (the adapters could not merge into it), but
+    fake-quantized in place (:func:`fake_quantize_base`), so the model computes what the
+    run computed; returns the adapted paths."""
+    adapted = inject(module, dataclasses.replace(spec, quantize=None))
+    if spec.quantize is not None:
+        fake_quantize_base(module, spec.quantize)
+    return adapted
+
+
+@torch.no_grad()
+def fake_quantize_base(module: nn.Module, kind: str) -> list[str]:
+    """Replace, in place, each adapted layer's base weight that a QLoRA run of ``kind``
+    holds quantized by its values as that run computes with them (quantized, then
+    dequantized in the weight's dtype); returns their layers' paths. The rule is
+    :func:`~plugintrain.model_zoo.lora.quantize_frozen`'s: a frozen matrix the
+    quantization's block divides (a weight that trains, or one of another size, is kept)."""
+    done = []
+    for path, layer in adapted_layers(module):
+        weight = layer.weight
+        if isinstance(weight, QuantizedWeight) or not _held_quantized(kind, weight):
+            continue
+        weight.copy_(fake_quantize(weight.detach(), kind))
+        done.append(path)
+    return done
+
+
+def _held_quantized(kind: str, weight: Tensor) -> bool:
+    """Whether a QLoRA run of ``kind`` holds the adapted layer's ``weight`` quantized."""
+    return not weight.requires_grad and unquantizable(kind, tuple(weight.shape)) is None
 
 
 _DIGESTS: dict[tuple, str] = {}
@@ -137,7 +180,10 @@ def spec_difference(record: dict, spec: LoRASpec) -> str | None:
 class MergedAdapterReader:
     """An adapter checkpoint (a LoRA run's: adapters and other trained tensors only) as the
     whole model it describes: its base weights with every adapter merged in, one tensor
-    at a time (``W + alpha / r * B A``, in fp32, stored in the base weight's dtype).
+    at a time (``W + alpha / r * B A``, in fp32, stored in the base weight's dtype). A
+    QLoRA run's ``W`` is the base weight as the run held it: quantized and dequantized
+    (:func:`~plugintrain.model_zoo.quantization.fake_quantize`), for each adapted layer
+    whose frozen weight the quantization's block divides.
 
     Args:
         adapters: The adapter checkpoint.
@@ -151,7 +197,7 @@ class MergedAdapterReader:
         self.config, self.tokenizer = base.config, base.tokenizer
         self.hparams = adapters.hparams
         spec = LoRASpec.from_record(adapters.lora["spec"])
-        self.scaling = spec.alpha / spec.r
+        self.scaling, self.quantize = spec.alpha / spec.r, spec.quantize
         self._held = set(adapters.names())
 
     def names(self) -> list[str]:
@@ -174,9 +220,12 @@ class MergedAdapterReader:
         """Tensor ``name``: the run's (trained, or the base's), its adapter merged in."""
         if name == "output.weight" and self.config.tie_embeddings:
             name = "tok_embeddings.weight"  # one tensor, saved under the embedding's name
-        weight = self.adapters.read(name) if name in self._held else self.base.read(name)
+        trained = name in self._held
+        weight = self.adapters.read(name) if trained else self.base.read(name)
         stem = name.removesuffix(".weight")
         if f"{stem}.lora_A" not in self._held:
             return weight
+        if self.quantize is not None and not trained and _held_quantized(self.quantize, weight):
+            weight = fake_quantize(weight, self.quantize)
         a, b = self.adapters.read(f"{stem}.lora_A"), self.adapters.read(f"{stem}.lora_B")
         return (weight.float() + (b.float() @ a.float()) * self.scaling).to(weight.dtype)

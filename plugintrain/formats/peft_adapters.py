@@ -12,6 +12,11 @@ numbers: a fused module's adapter is the adapters of its parts with their ``A``s
 and their ``B``s block-diagonal (rank = the sum of theirs, scaling unchanged), and a PEFT
 adapter on a fused module becomes one per part, each with the whole ``A`` and its rows of
 ``B``. Every update ``scaling * B A`` is kept exactly.
+
+Beside them, as peft's ``save_pretrained`` does, a model card (``README.md``); for a QLoRA
+run's adapters its "Training procedure" section lists the ``bitsandbytes`` quantization
+config that holds the base as the run held it, in peft's words, and reading an adapter
+takes the quantization back from there (:func:`card_quantization`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import itertools
 import json
 import math
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,10 @@ from plugintrain.model_zoo.lora import LoRASpec
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
+CARD = "README.md"
+QUANTIZATION_PREFIX = "The following `bitsandbytes` quantization config was used during training:"
+"""The line of peft's model card (``PeftModel.create_or_update_model_card``) before the
+``- name: value`` lines of a quantized base's ``BitsAndBytesConfig``."""
 _PEFT_PREFIX = "base_model.model."
 _PROBE_IN = 2  # input width of the row-number tensors the plans run on
 
@@ -196,12 +206,93 @@ def write_peft(
     out.mkdir(parents=True)
     cfg = peft_config(spec, ranks, base, _conv1d_family(config))
     (out / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+    dtype = next(iter(adapters.values())).dtype
+    (out / CARD).write_text(model_card(base, spec.quantize, dtype))
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     with open(out / WEIGHTS, "wb") as stream:
         write_safetensors(stream, shapes.items(), torch.float32, tensors.__getitem__)
 
 
+def bnb_config(kind: str, compute_dtype: torch.dtype) -> dict[str, object]:
+    """The ``bitsandbytes`` config (``transformers.BitsAndBytesConfig(...).to_dict()``) that
+    holds a base as a QLoRA run of ``kind`` held it: ``nf4`` in 4 bits with the block
+    scales double-quantized; ``int8`` per-row absmax without LLM.int8()'s outlier split
+    (``llm_int8_threshold: 0.0``)."""
+    four = kind == "nf4"
+    return {
+        "quant_method": "bitsandbytes",
+        "_load_in_8bit": not four,
+        "_load_in_4bit": four,
+        "llm_int8_threshold": 6.0 if four else 0.0,
+        "llm_int8_skip_modules": None,
+        "llm_int8_enable_fp32_cpu_offload": False,
+        "llm_int8_has_fp16_weight": False,
+        "bnb_4bit_quant_type": "nf4" if four else "fp4",
+        "bnb_4bit_use_double_quant": four,
+        "bnb_4bit_compute_dtype": str(compute_dtype).removeprefix("torch."),
+        "bnb_4bit_quant_storage": "uint8",
+        "load_in_4bit": four,
+        "load_in_8bit": not four,
+    }
+
+
+def model_card(base: str | None, quantize: str | None, compute_dtype: torch.dtype) -> str:
+    """``README.md`` as peft writes it: metadata (base model, ``library_name: peft``), and
+    for a QLoRA run (``quantize``) the ``bitsandbytes`` config its base was held in, under
+    "Training procedure"."""
+    from plugintrain import __version__
+
+    front = ["---"] + ([f"base_model: {json.dumps(base)}"] if base else [])
+    front += ["library_name: peft", "pipeline_tag: text-generation", "tags:"]
+    front += [f"- {json.dumps(f'base_model:adapter:{base}')}"] if base else []
+    lines = [*front, "- lora", "- plugintrain", "---", "", "# LoRA adapters", ""]
+    lines.append(f"Trained by plugintrain {__version__} on {base or 'its base model'}.")
+    if quantize is not None:
+        lines += ["", "## Training procedure", "", QUANTIZATION_PREFIX]
+        lines += [f"- {k}: {v}" for k, v in bnb_config(quantize, compute_dtype).items()]
+    lines += ["", "### Framework versions", "", f"- plugintrain {__version__}", ""]
+    return "\n".join(lines)
+
+
 # -- in -----------------------------------------------------------------------------------
+
+
+def card_quantization(path: str | Path) -> str | None:
+    """The quantization (``nf4``, ``int8``) a PEFT adapter's base was held in while it
+    trained, as its model card names it (peft's "Training procedure" section, see
+    :data:`QUANTIZATION_PREFIX`); None without one. A base quantized in a way plugintrain
+    does not hold (bitsandbytes' ``fp4``) is warned about, and read unquantized."""
+    config = _card_bnb_config(Path(path) / CARD)
+    if config.get("load_in_8bit") == "True":
+        return "int8"
+    if config.get("load_in_4bit") != "True":
+        return None
+    if config.get("bnb_4bit_quant_type") == "nf4":
+        return "nf4"
+    warnings.warn(
+        f"{Path(path) / CARD}: the adapter was trained on a base held in bitsandbytes' 4-bit"
+        f" {config.get('bnb_4bit_quant_type')}, which plugintrain does not hold (it holds nf4"
+        " and int8); its base is read unquantized",
+        stacklevel=2,
+    )
+    return None
+
+
+def _card_bnb_config(card: Path) -> dict[str, str]:
+    """The ``- name: value`` lines after :data:`QUANTIZATION_PREFIX` in the model card
+    ``card`` (none if it has no such section, or no card)."""
+    if not card.is_file():
+        return {}
+    lines = [line.strip() for line in card.read_text(errors="replace").splitlines()]
+    if QUANTIZATION_PREFIX not in lines:
+        return {}
+    config = {}
+    for line in lines[lines.index(QUANTIZATION_PREFIX) + 1 :]:
+        match = re.fullmatch(r"- (\w+): (.*)", line)
+        if match is None:
+            break
+        config[match[1]] = match[2]
+    return config
 
 
 def read_peft_config(path: str | Path) -> dict[str, Any]:
@@ -258,12 +349,18 @@ def read_peft(path: str | Path, config: TransformerConfig) -> tuple[LoRASpec, di
     """A PEFT adapter as our LoRA spec and adapter tensors (``layers.0.attention.wq.lora_A``
     -> tensor) for a model of ``config``. Modules of other ranks are zero-padded to the
     largest (the update ``scaling * B A`` is unchanged); every module must have the same
-    scaling.
+    scaling. The spec's ``quantize`` is the model card's (:func:`card_quantization`).
 
     Raises:
         WeightFormatError: One line, for a file plugintrain cannot run as it is.
     """
-    path = Path(path)
+    # Real CPU tensors under any default device: a QLoRA run builds its model, and checks
+    # the adapter it starts from, under torch.device("meta").
+    with torch.device("cpu"):
+        return _read_peft(Path(path), config)
+
+
+def _read_peft(path: Path, config: TransformerConfig) -> tuple[LoRASpec, dict[str, Tensor]]:
     peft = read_peft_config(path)
     pairs = _read_pairs(path)
     import_plan = family_of(config).hf_import_plan(config)
@@ -311,6 +408,7 @@ def read_peft(path: str | Path, config: TransformerConfig) -> tuple[LoRASpec, di
         alpha=scaling * rank,
         dropout=float(peft.get("lora_dropout", 0.0)),
         target_modules=targets,
+        quantize=card_quantization(path),
     )
     return spec, tensors
 

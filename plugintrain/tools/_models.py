@@ -141,12 +141,15 @@ def load_with_adapter(weights: str | None, adapter: str, merge: bool) -> Pretrai
 def load_with_peft_adapter(weights: str | None, adapter: str, merge: bool) -> PretrainedLM:
     """The base model ``weights`` (default: the adapter's ``base_model_name_or_path``,
     where that is a path or a pretrained name plugintrain knows) with the PEFT adapter
-    directory ``adapter`` in it, merged into its weights if ``merge``."""
+    directory ``adapter`` in it, merged into its weights if ``merge``; the base weights
+    quantized and dequantized where the adapter's model card names the quantization it
+    was trained on (a QLoRA adapter)."""
     import torch
 
     from plugintrain.data.assets import PRETRAINED_MODELS
     from plugintrain.formats import read_adapters
     from plugintrain.formats.checkpoint import PREFIX
+    from plugintrain.formats.lora_checkpoints import inject_dequantized
     from plugintrain.formats.peft_adapters import read_peft_config
     from plugintrain.model_zoo import lora
 
@@ -161,7 +164,7 @@ def load_with_peft_adapter(weights: str | None, adapter: str, merge: bool) -> Pr
         )
     module = load_causal_lm(base)
     spec, tensors = read_adapters(adapter, module.config)
-    lora.inject(module, spec)
+    inject_dequantized(module, spec)  # a QLoRA adapter's base as it trained (its model card)
     params = dict(module.named_parameters())
     with torch.no_grad():
         for name, tensor in tensors.items():

@@ -107,6 +107,7 @@ def _layout(args: SimpleNamespace, config: TransformerConfig) -> Layout:
         every_n_layers=args.every_n_layers,
         lora_r=args.lora_r,
         lora_targets=args.lora_targets,
+        lora_quantize=args.lora_quantize,
         bucket_size_mb=args.bucket_size_mb,
     )
 
@@ -130,6 +131,7 @@ def describe(layout: Layout) -> str:
     if named["layers_per_stage"] is not None:
         pipe += f", layers_per_stage={named['layers_per_stage']}"
     lora = f", LoRA r={named['lora_r']}" if named["lora_r"] else ""
+    lora += f" on a {named['lora_quantize']} base" if named["lora_quantize"] else ""
     every = f" every {named['every_n_layers']}" if named["every_n_layers"] > 1 else ""
     return (
         f"{layout.strategy} dp={named['dp']} x tp={named['tp']}{sp} x pp={named['pp']}{vpp}"
@@ -178,10 +180,15 @@ def fit_table(
     cluster: str = "",
 ) -> str:
     """The layouts that fit, one per line, in the given order (with ``predictions``: the
-    predicted tokens/s and MFU on ``cluster`` too)."""
+    predicted tokens/s and MFU on ``cluster`` too). With LoRA, a ``base`` column says how
+    each layout holds the frozen base (``-``: as the precision says; ``nf4``/``int8``:
+    quantized: :func:`~plugintrain.estimate.fitting_layouts` proposes that where the base
+    does not fit as it is), and a last line says what to set in the recipe."""
     if not results:
         return f"No layout of up to {gpus} devices fits in {size(memory)} per device."
-    heads = ("gpus", "dp", "tp", "sp", "pp", "zero", *(k for k, _ in _ROWS), "total")
+    lora = results[0].layout.lora is not None
+    heads = ("gpus", "dp", "tp", "sp", "pp", "zero", *(("base",) if lora else ()))
+    columns = (*(k for k, _ in _ROWS), "total")
     speed = ("tokens/s", "/gpu", "mfu") if predictions else ()
     order = f", fastest first on {cluster}" if predictions else ""
     lines = [
@@ -189,7 +196,8 @@ def fit_table(
         f" (largest rank{order}; showing {min(top, len(results))}):",
         "  ".join(
             [
-                *(f"{h:>11}" if i > 5 else f"{h:>4}" for i, h in enumerate(heads)),
+                *(f"{h:>4}" for h in heads),
+                *(f"{h:>11}" for h in columns),
                 *(f"{h:>9}" for h in speed),
             ]
         ),
@@ -205,6 +213,7 @@ def fit_table(
             dims.pp,
         ]
         cells.append("fsdp" if layout.stage == 3 else str(layout.stage or 0))
+        cells += [layout.quantize or "-"] if lora else []
         parts = [size(getattr(peak, key)) for key, _ in _ROWS] + [size(peak.total)]
         row = [*(f"{c!s:>4}" for c in cells), *(f"{p:>11}" for p in parts)]
         if predictions:
@@ -212,7 +221,18 @@ def fit_table(
             speeds = (p.tokens_per_second, p.tokens_per_second_per_gpu)
             row += [*(f"{_count(v):>9}" for v in speeds), f"{p.mfu:>9.1%}"]
         lines.append("  ".join(row))
-    return "\n".join(lines)
+    return "\n".join(lines + _quantize_note(results[:top]))
+
+
+def _quantize_note(results: list[Estimate]) -> list[str]:
+    """For each quantization in the layouts shown, what to set in the recipe."""
+    kinds = sorted({r.layout.quantize for r in results if r.layout.quantize is not None})
+    return [
+        f"base {kind}: LoRA's frozen base held as {kind} (QLoRA); set quantize: {kind} in the"
+        f" LoRA callback's init_args (estimate: --lora_quantize {kind}); tokens/s leave out"
+        " the dequantization's time"
+        for kind in kinds
+    ]
 
 
 def _count(n: float) -> str:
