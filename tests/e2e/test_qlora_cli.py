@@ -285,3 +285,24 @@ def test_generate_takes_a_peft_bnb_adapter(peft_bnb: dict[str, Any], tmp_path: P
         plain = load_model(base, adapter)(_tokens())
     torch.testing.assert_close(ours, peft_bnb["logits"], rtol=1e-4, atol=1e-4)
     assert (plain - peft_bnb["logits"]).abs().max() > 1e-3  # unquantized: another model
+
+
+def test_a_quantized_base_needs_pretrained_weights(
+    qlora_run: dict[str, Any], capsys, tmp_path: Path
+) -> None:
+    """A randomly initialized base has nothing to keep in 4 bits (and its checkpoints would
+    hold it whole): one line naming the option to set, before anything is launched."""
+    recipe = yaml.safe_load(qlora_run["config"].read_text())
+    recipe["model"]["init_args"].update(weights=None, config="llama3-debug")
+    config = tmp_path / "random.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    message = _error(
+        capsys, "fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'root'}",
+        "--trainer.logger=false",
+    )  # fmt: skip
+    assert message.endswith(
+        "LoRA quantize: nf4 quantizes a pretrained base, and this model has none; set"
+        " model.init_args.weights (a Hugging Face directory, GGUF, llm.c file, checkpoint or"
+        " pretrained name), or drop quantize"
+    ), message
+    assert not (tmp_path / "root").exists()
