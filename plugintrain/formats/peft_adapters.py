@@ -240,8 +240,7 @@ def model_card(base: str | None, quantize: str | None, compute_dtype: torch.dtyp
     """``README.md`` as peft writes it: metadata (base model, ``library_name: peft``), and
     for a QLoRA run (``quantize``) the ``bitsandbytes`` config its base was held in, under
     "Training procedure"."""
-    from plugintrain import __version__
-
+    __version__ = _version()
     front = ["---"] + ([f"base_model: {json.dumps(base)}"] if base else [])
     front += ["library_name: peft", "pipeline_tag: text-generation", "tags:"]
     front += [f"- {json.dumps(f'base_model:adapter:{base}')}"] if base else []
@@ -252,6 +251,17 @@ def model_card(base: str | None, quantize: str | None, compute_dtype: torch.dtyp
         lines += [f"- {k}: {v}" for k, v in bnb_config(quantize, compute_dtype).items()]
     lines += ["", "### Framework versions", "", f"- plugintrain {__version__}", ""]
     return "\n".join(lines)
+
+
+def _version() -> str:
+    """plugintrain's installed version (the package metadata: formats sit below the package
+    root, which must not be imported from here)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("plugintrain")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 # -- in -----------------------------------------------------------------------------------
