@@ -101,7 +101,7 @@ def _step(module: CausalLM, optimizer: torch.optim.Optimizer, batch: Any) -> flo
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 def _base_bytes(module: CausalLM) -> tuple[int, int]:

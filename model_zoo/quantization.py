@@ -60,8 +60,9 @@ to [-1, 1], with an exact zero; as float32."""
 _INV_127 = float(torch.tensor(1 / 127, dtype=torch.float32))
 """1/127 rounded to float32: the int8 dequantization multiplies by it (as bitsandbytes does)."""
 
-_CHUNK = 1 << 20
-"""Weights quantized at a time (bounds the temporaries to a few MiB per tensor)."""
+_CHUNK = 1 << 16
+"""Weights quantized at a time: the scratch of one chunk (its fp32 copy, scaled values and
+codes) stays a fraction of a MiB, whatever the size of the tensor."""
 
 
 @functools.cache

@@ -306,3 +306,20 @@ def test_a_quantized_base_needs_pretrained_weights(
         " pretrained name), or drop quantize"
     ), message
     assert not (tmp_path / "root").exists()
+
+
+def test_an_unknown_quantization_is_one_line(
+    qlora_run: dict[str, Any], capsys, tmp_path: Path
+) -> None:
+    """``quantize: nf5``: one line naming it and the schemes there are, exit 2, before any
+    weight loads or anything is written; the hint (nf4) then runs."""
+    recipe = yaml.safe_load(qlora_run["config"].read_text())
+    recipe["trainer"]["callbacks"][0]["init_args"]["quantize"] = "nf5"
+    config = tmp_path / "nf5.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    message = _error(
+        capsys, "fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'root'}",
+        "--trainer.logger=false",
+    )  # fmt: skip
+    assert message.endswith("LoRA quantize='nf5': use one of None, nf4, int8"), message
+    assert not (tmp_path / "root").exists()
