@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import flop_counter
 
 from plugintrain.core.initialization import seeded_normal_, seeded_uniform_
 from plugintrain.model_zoo.layers import Attention, SwiGLU
@@ -96,10 +97,10 @@ class LoRALinear(nn.Linear):
         h = self.shared.down(self, x) if self.shared is not None else _down((self,), x)[0]
         if not _one_plain_dtype(x, self.weight, self.lora_B):
             return self._base(x) + F.linear(h, self.lora_B).to(x.dtype)
-        # One addmm, B's matmul accumulating onto the base's (N, out) output: no output of
-        # its own and no separate addition.
+        # One addmm, B's matmul accumulating in place onto the base's (N, out) output: no
+        # output of its own, no copy of the base's and no separate addition.
         rows = F.linear(x.reshape(-1, self.in_features), self.weight, self.bias)
-        rows = torch.addmm(rows, h.reshape(-1, self.r), self.lora_B.t())
+        rows = rows.addmm_(h.reshape(-1, self.r), self.lora_B.t())
         return rows.view(*x.shape[:-1], self.out_features)
 
     def _base(self, x: Tensor) -> Tensor:
@@ -147,6 +148,13 @@ class LoRALinear(nn.Linear):
             f"{super().extra_repr()}, r={self.r}, alpha={self.alpha}, dropout={self.dropout},"
             f" merged={self.merged}"
         )
+
+
+# LoRALinear's in-place addmm_ is addmm's FLOPs; torch's counter (what the dry-run estimate
+# and MFU checks count with) knows only the out-of-place op.
+if torch.ops.aten.addmm_ not in flop_counter.flop_registry:
+    addmm_formula = flop_counter.flop_registry[torch.ops.aten.addmm]
+    flop_counter.register_flop_formula(torch.ops.aten.addmm_, get_raw=True)(addmm_formula)
 
 
 def _down(layers: Sequence[LoRALinear], x: Tensor) -> tuple[Tensor, ...]:
@@ -327,7 +335,8 @@ class LoRASpec:
             ("quantize", self.quantize, (None, *QUANTIZATIONS)),
         ):
             if value not in allowed:
-                return f"LoRA {field}={value!r}: use one of {', '.join(map(str, allowed))}"
+                names = ", ".join("null" if a is None else str(a) for a in allowed)
+                return f"LoRA {field}={value!r}: use one of {names}"
         if self.quantize is not None and self.base_dtype is not None:
             return (
                 f"LoRA quantize={self.quantize!r} and base_dtype={self.base_dtype!r}: a"

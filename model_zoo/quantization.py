@@ -120,11 +120,18 @@ def unquantizable(kind: str, shape: tuple[int, ...]) -> str | None:
 # --- NF4 ------------------------------------------------------------------------------------
 
 
+def _chunk(device: torch.device) -> int:
+    """Weights quantized at a time on ``device``: :data:`_CHUNK` on a CPU, 256x more on an
+    accelerator, where each chunk's few kernel launches would otherwise dominate."""
+    return _CHUNK if device.type == "cpu" else _CHUNK << 8
+
+
 def _block_absmax(flat: Tensor) -> Tensor:
     """The absmax of each block of :data:`BLOCK` (fp32), read a chunk at a time."""
     out = torch.empty(flat.numel() // BLOCK, dtype=torch.float32, device=flat.device)
-    for start in range(0, flat.numel(), _CHUNK):
-        chunk = flat[start : start + _CHUNK].float().view(-1, BLOCK)
+    step = _chunk(flat.device)
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start : start + step].float().view(-1, BLOCK)
         out[start // BLOCK : start // BLOCK + chunk.size(0)] = chunk.abs().amax(dim=1)
     return out
 
@@ -154,8 +161,9 @@ def _quantize_nf4(weight: Tensor, out: Tensor) -> None:
     _, nf4_mid, dyn, _ = _levels(flat.device)
     absmax = _block_absmax(flat)
     codes = out[: n // 2]
-    for start in range(0, n, _CHUNK):
-        chunk = flat[start : start + _CHUNK].float().view(-1, BLOCK)
+    step = _chunk(flat.device)
+    for start in range(0, n, step):
+        chunk = flat[start : start + step].float().view(-1, BLOCK)
         first = start // BLOCK
         inverse = 1.0 / absmax[first : first + chunk.size(0)].clamp(min=1e-38)
         scaled = (chunk * inverse.view(-1, 1)).clamp_(-1, 1).view(-1)
@@ -211,14 +219,16 @@ def _quantize_int8(weight: Tensor, out: Tensor) -> None:
     n = rows * cols
     codes = out[:n].view(torch.int8).view(rows, cols)
     scales = out[_pad4(n) : _pad4(n) + 4 * rows].view(torch.float32)
-    step = max(1, _CHUNK // max(cols, 1))
+    step = max(1, _chunk(weight.device) // max(cols, 1))
     for start in range(0, rows, step):
         chunk = matrix[start : start + step].float()
         absmax = chunk.abs().amax(dim=1)
         scales[start : start + chunk.size(0)] = absmax
-        codes[start : start + chunk.size(0)] = torch.round(
-            chunk * (127.0 / absmax.clamp(min=1e-38).unsqueeze(-1))
-        ).to(torch.int8)
+        # A row of zeros codes as zeros (127 / 0 would make 0 * inf = NaN).
+        inverse = torch.where(absmax > 0, 127.0 / absmax, torch.zeros_like(absmax))
+        codes[start : start + chunk.size(0)] = torch.round(chunk * inverse.unsqueeze(-1)).to(
+            torch.int8
+        )
 
 
 def _dequantize_int8(packed: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -334,9 +344,12 @@ class QuantizedWeight(nn.Module):
         (under FSDP2, inside the block's forward or backward)."""
         return dequantize(self.packed, self.kind, tuple(self.shape), dtype or self.dtype)
 
+    @torch.compiler.disable
     def linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
         """``x W^T + b`` in ``x``'s dtype (the autocast dtype under autocast), the weight
-        dequantized for the matmul and again for the backward, never kept."""
+        dequantized for the matmul and again for the backward, never kept. Run eagerly
+        under ``torch.compile`` (a compiled block breaks its graph around it): the packed
+        bytes are read through float32 views, which AOTAutograd cannot replay."""
         device = x.device.type
         autocasting = device != "meta" and torch.is_autocast_enabled(device)  # (dry runs: meta)
         if autocasting:

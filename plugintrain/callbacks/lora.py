@@ -137,9 +137,15 @@ class LoRA(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.spec.quantize is not None:  # also where no CLI checked it (the Python API)
+            problem = quantized_base_problem(trainer.strategy, self.spec.quantize)
+            if problem is not None:
+                raise ValueError(problem)
         if not is_overridden("configure_model", pl_module):
             self.on_model_built(trainer, pl_module)  # the model exists already
-        elif not getattr(trainer.strategy, "calls_on_model_built", False):
+        elif self.spec.quantize is not None or not getattr(
+            trainer.strategy, "calls_on_model_built", False
+        ):  # a quantized base is built on meta even where the strategy builds it whole
             hook = functools.partial(self.on_model_built, trainer)
             _after_configure_model(pl_module, hook, on_meta=self.spec.quantize is not None)
         base = base_name(pl_module)
@@ -342,18 +348,22 @@ def _after_configure_model(pl_module: pl.LightningModule, hook: Any, on_meta: bo
     """Make ``pl_module.configure_model`` call ``hook(pl_module)`` after itself; with
     ``on_meta`` (a quantized base), build on the meta device, put the adapters in there,
     then allocate and call ``init_weights`` (which loads the base, quantizing each weight
-    as it is read): the base is never held whole in full precision. A module that cannot
-    initialize its own weights (no ``init_weights``) is built as it is and quantized after."""
+    as it is read): the base is never held whole in full precision. Where the strategy
+    builds on the meta device itself (``hybrid``, ``pipeline``: it allocates its shards and
+    calls ``init_weights`` later) the adapters just go in; a module that cannot initialize
+    its own weights (no ``init_weights``) is built as it is and quantized after."""
     original = pl_module.configure_model
     if getattr(original, "_lora_hook", None) == hook.func:
         return  # wrapped by an earlier `setup` (another stage) already
 
     def configure_model() -> None:
-        if not (on_meta and callable(getattr(type(pl_module), "init_weights", None))):
+        device = torch.empty(()).device
+        shard_first = device.type == "meta"  # the strategy allocates and initializes
+        initializes = callable(getattr(type(pl_module), "init_weights", None))
+        if shard_first or not (on_meta and initializes):
             original()
             hook(pl_module)
             return
-        device = torch.empty(()).device
         before = {id(p) for p in pl_module.parameters()}
         with torch.device("meta"):
             original()

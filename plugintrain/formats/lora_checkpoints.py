@@ -24,7 +24,13 @@ from torch import Tensor, nn
 from plugintrain.data.assets import resolve_model_path
 from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
 from plugintrain.model_zoo.lora import LoRASpec, adapted_layers, inject
-from plugintrain.model_zoo.quantization import QuantizedWeight, fake_quantize, unquantizable
+from plugintrain.model_zoo.quantization import (
+    QuantizedWeight,
+    dequantize,
+    fake_quantize,
+    quantize,
+    unquantizable,
+)
 
 
 def read_lora_run(path: str | Path, fix: str) -> tuple[CheckpointReader, LoRASpec]:
@@ -225,7 +231,10 @@ class MergedAdapterReader:
         stem = name.removesuffix(".weight")
         if f"{stem}.lora_A" not in self._held:
             return weight
+        dtype = weight.dtype
         if self.quantize is not None and not trained and _held_quantized(self.quantize, weight):
-            weight = fake_quantize(weight, self.quantize)
+            # Dequantized in fp32 and rounded to the stored dtype once, after the merge.
+            packed = quantize(weight, self.quantize)
+            weight = dequantize(packed, self.quantize, tuple(weight.shape), torch.float32)
         a, b = self.adapters.read(f"{stem}.lora_A"), self.adapters.read(f"{stem}.lora_B")
-        return (weight.float() + (b.float() @ a.float()) * self.scaling).to(weight.dtype)
+        return (weight.float() + (b.float() @ a.float()) * self.scaling).to(dtype)

@@ -312,7 +312,7 @@ def test_an_unknown_quantization_is_one_line(
     qlora_run: dict[str, Any], capsys, tmp_path: Path
 ) -> None:
     """``quantize: nf5``: one line naming it and the schemes there are, exit 2, before any
-    weight loads or anything is written; the hint (nf4) then runs."""
+    weight loads or anything is written (nf4, the hint, is what the other tests run)."""
     recipe = yaml.safe_load(qlora_run["config"].read_text())
     recipe["trainer"]["callbacks"][0]["init_args"]["quantize"] = "nf5"
     config = tmp_path / "nf5.yaml"
@@ -321,5 +321,50 @@ def test_an_unknown_quantization_is_one_line(
         capsys, "fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'root'}",
         "--trainer.logger=false",
     )  # fmt: skip
-    assert message.endswith("LoRA quantize='nf5': use one of None, nf4, int8"), message
+    assert message.endswith("LoRA quantize='nf5': use one of null, nf4, int8"), message
     assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ddp_bucketed", "zero1", "zero2", "hybrid"])
+def test_every_strategy_quantizes_the_base_as_it_loads(
+    qlora_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """At world size 1, under Lightning's default and each plugintrain strategy that holds
+    whole weights: when the base weights are read, the adapted layers are already
+    QuantizedWeights (the full-precision base is never allocated), and a step trains."""
+    import lightning as L
+    import torch.distributed as dist
+
+    from plugintrain import strategies
+    from plugintrain.bench.gpu_checks import _QUIET_TRAINER
+    from plugintrain.callbacks import LoRA
+    from plugintrain.formats import base as formats_base
+    from plugintrain.model_zoo import CausalLM
+    from plugintrain.model_zoo.lora import quantized_weights
+
+    strategies.register()
+    seen: list[int] = []
+    load_into = formats_base.load_into
+
+    def spy(model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        seen.append(len(list(quantized_weights(model))))
+        load_into(model, *args, **kwargs)
+
+    monkeypatch.setattr(formats_base, "load_into", spy)
+    module = CausalLM(weights=str(qlora_run["base"]), warmup_steps=0)
+    tokens = torch.randint(0, VOCAB, (1, 2, 17), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(tokens[..., :-1], tokens[..., 1:])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1,
+        callbacks=[LoRA(r=4, alpha=8, quantize="nf4", target_modules=TARGETS)],
+        use_distributed_sampler=False, **_QUIET_TRAINER,
+    )  # fmt: skip
+    try:
+        with pytest.warns(UserWarning, match="kept unquantized"):
+            trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # 2 layers x (wq, w2): wv (20 x 40) is kept as it is.
+    assert seen == [4], seen
+    assert trainer.global_step == 1

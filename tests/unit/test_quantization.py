@@ -454,3 +454,48 @@ def test_merging_into_a_quantized_base_is_one_line() -> None:
     with pytest.raises(ValueError, match="cannot merge a LoRA adapter into a nf4 base") as error:
         module.proj.merge()
     assert "\n" not in str(error.value)
+
+
+def test_the_python_api_is_refused_too_before_the_model_is_built() -> None:
+    """A Trainer built in Python (no CLI check): the callback's ``setup`` raises the same
+    line, before ``configure_model`` allocates or loads anything."""
+    from types import SimpleNamespace
+
+    from plugintrain.callbacks import LoRA
+
+    trainer = SimpleNamespace(strategy=HybridParallelStrategy(tensor_parallel=2))
+    with pytest.raises(ValueError, match="not split over tensor-parallel ranks") as error:
+        LoRA(quantize="int8").setup(trainer, nn.Module(), "fit")  # type: ignore[arg-type]
+    assert "\n" not in str(error.value)
+
+
+def test_a_compiled_block_computes_what_the_eager_one_does() -> None:
+    """torch.compile (AOTAutograd, as inductor runs it) of a block holding quantized
+    layers: the same output and gradients as eager (the quantized matmul runs eagerly)."""
+    torch.manual_seed(0)
+    config = TransformerConfig.from_name("llama3-debug")
+    eager = Transformer(config)
+    spec = LoRASpec(r=4, target_modules=("*.attention.*", "*.feed_forward.*"), quantize="nf4")
+    inject(eager, spec)
+    init_adapters(eager, seed=1)
+    compiled = copy.deepcopy(eager)
+    for block in compiled.layers.values():
+        block.compile(backend="aot_eager")
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=generator)
+    outputs = []
+    for model in (eager, compiled):
+        logits = model(tokens)
+        logits.square().mean().backward()
+        outputs.append((logits, [p.grad for p in model.parameters() if p.requires_grad]))
+    (a, grads_a), (b, grads_b) = outputs
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for x, y in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+
+
+def test_a_zero_row_codes_as_zeros_in_int8() -> None:
+    weight = torch.randn(4, 64)
+    weight[2] = 0
+    values = dequantize(quantize(weight, "int8"), "int8", (4, 64), torch.float32)
+    assert torch.equal(values[2], torch.zeros(64)) and not values.isnan().any()
