@@ -55,7 +55,9 @@ def recipe_layout(path: str | Path) -> tuple[TransformerConfig, Layout]:
 
 def _config(model: dict[str, Any], path: Path) -> TransformerConfig:
     """The model's architecture: its preset (or fields), else its weights' (read from
-    their config, not their tensors)."""
+    their config, not their tensors). A preset beside weights is taken as it is: the
+    estimate needs the shapes only, and the weights need not be on this machine (``fit``
+    checks them against the preset)."""
     from plugintrain.model_zoo.pretrained import resolve_config
 
     config, weights = model.get("config"), model.get("weights")
@@ -65,7 +67,7 @@ def _config(model: dict[str, Any], path: Path) -> TransformerConfig:
             " causal LMs' layouts are estimated"
         )
     try:
-        return resolve_config(config, weights)
+        return resolve_config(config, None if config is not None else weights)
     except (OSError, ValueError) as error:
         raise ValueError(f"{path}: {str(error).splitlines()[0]}") from None
 
