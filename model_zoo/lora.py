@@ -425,7 +425,8 @@ def quantize_frozen(module: nn.Module, kind: str) -> dict[str, str]:
         quantized = QuantizedWeight.from_weight(weight.detach(), kind)
         del layer.weight
         layer.weight = quantized
-    if kept:
+    first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if kept and first_rank:  # said once, not once per rank
         listed = ", ".join(f"{path} ({why})" for path, why in kept.items())
         warnings.warn(f"LoRA quantize={kind!r}: kept unquantized: {listed}", stacklevel=2)
     return kept
