@@ -67,6 +67,20 @@ agree to the printed 4 digits at every step. Issue 28's change to LoRA (one drop
 and one ``A`` matmul for q, k and v, and for the gate and up projections; CPU masks drawn
 where the drops are) took plugintrain alone from 168.9 to 201.0 tokens/s and its step
 peak from 1873 to 1502 MiB on the same batches.
+
+2026-12-06, ``.venv/bin/python benchmarks/lora_vs_litgpt.py --rounds 2 --steps 3 --warmup 1``
+before and after two exact changes (the same losses, bit for bit): each adapter's ``B``
+matmul accumulates into the base's output in place (``addmm_``: an out-of-place ``addmm``
+copied that output first, 210 activation-sized copies a step), and the loss writes fp32
+logits' log-softmax into their gradient buffer and skips backward's scaling by exactly 1
+on a CPU (two 100 MiB passes and a 100 MiB page-faulted buffer less a step). Other jobs
+kept the load average at 8-9 on the 2 cores throughout, which slowed every step 20-45x
+and LitGPT's more than plugintrain's (round 1: plugintrain 9.9 tokens/s before, 8.8
+after; LitGPT 4.4 in both): these runs say nothing about the ratio on an idle machine,
+and ``--steps 8`` is still to be rerun idle. In one process, steps of the two code paths
+interleaved under the same load (the full head; median of the per-pair ratios of process
+CPU time), both changes took 2.2% off a 4-layer model's step, the ``addmm_`` alone 3.3%
+off an 8-layer one's; wall-clock ratios were within the noise.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.graph import increment_version
 from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
@@ -109,6 +110,12 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
         (grad,) = ctx.saved_tensors
+        if grad_output.device.type == "cpu" and grad_output.item() == 1.0:
+            # A plain backward of the loss: scaling by exactly 1 changes nothing, so the
+            # pass over the logits-sized buffer is skipped (on a GPU the check would cost a
+            # synchronization). The version bump keeps a second backward refused.
+            increment_version(grad)
+            return grad, None, None
         # In place: a second logits-sized buffer is what this Function exists to avoid.
         return grad.mul_(grad_output), None, None
 
@@ -116,8 +123,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def _chunk_loss(logits: Tensor, targets: Tensor, grad: Tensor | None, scale: float) -> Tensor:
     """Summed fp32 loss of one chunk ``(n, V)``; writes ``scale * d(loss)/d(logits)`` into
     ``grad`` (in the logits' dtype) unless it is None."""
-    # (n, V) fp32, the one fp32 copy of the chunk (CUDA reads bf16 and writes fp32 at once)
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    # (n, V) fp32, the one fp32 copy of the chunk (CUDA reads bf16 and writes fp32 at once);
+    # fp32 logits' gradient rows hold it themselves, with no buffer of its own (a fresh one
+    # is page-faulted in at every step on a CPU)
+    in_grad = grad is not None and grad.dtype == torch.float32
+    log_probs = torch.log_softmax(
+        logits, dim=-1, dtype=torch.float32, out=grad if in_grad else None
+    )
     scored = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
     index = targets.clamp(min=0)[:, None]  # an ignored row gathers id 0, then counts 0
     loss = -(log_probs.gather(1, index) * scored).sum()
