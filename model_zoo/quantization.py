@@ -207,7 +207,7 @@ def nf4_block_scales(packed: Tensor, n: int) -> Tensor:
 def _dequantize_nf4(packed: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     n = math.prod(shape)
     _, _, _, pairs = _levels(packed.device)
-    levels = pairs.index_select(0, packed[: n // 2].long()).view(torch.float32).view(-1, BLOCK)
+    levels = pairs.index_select(0, packed[: n // 2].int()).view(torch.float32).view(-1, BLOCK)
     weight = levels.mul_(nf4_block_scales(packed, n).view(-1, 1)).view(shape)
     return weight if dtype == torch.float32 else weight.to(dtype)
 
