@@ -76,8 +76,9 @@ logits' log-softmax into their gradient buffer and skips backward's scaling by e
 on a CPU (two 100 MiB passes and a 100 MiB page-faulted buffer less a step). Other jobs
 kept the load average at 8-9 on the 2 cores throughout, which slowed every step 20-45x
 and LitGPT's more than plugintrain's (round 1: plugintrain 9.9 tokens/s before, 8.8
-after; LitGPT 4.4 in both): these runs say nothing about the ratio on an idle machine,
-and ``--steps 8`` is still to be rerun idle. In one process, steps of the two code paths
+after; LitGPT 4.4 in both): these runs say nothing about the ratio. Rerun idle the same
+day with ``--steps 8``: plugintrain 171.2 tokens/s, LitGPT 164.7 (1.04x; round by round
+1.01, 0.99, 1.09, 1.13), both slower than on 12-04; live peak 1438 MiB against 1990. In one process, steps of the two code paths
 interleaved under the same load (the full head; median of the per-pair ratios of process
 CPU time), both changes took 2.2% off a 4-layer model's step, the ``addmm_`` alone 3.3%
 off an 8-layer one's; wall-clock ratios were within the noise.
