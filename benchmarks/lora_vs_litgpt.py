@@ -78,10 +78,11 @@ kept the load average at 8-9 on the 2 cores throughout, which slowed every step 
 and LitGPT's more than plugintrain's (round 1: plugintrain 9.9 tokens/s before, 8.8
 after; LitGPT 4.4 in both): these runs say nothing about the ratio. Rerun idle the same
 day with ``--steps 8``: plugintrain 171.2 tokens/s, LitGPT 164.7 (1.04x; round by round
-1.01, 0.99, 1.09, 1.13), both slower than on 12-04; live peak 1438 MiB against 1990. In one process, steps of the two code paths
-interleaved under the same load (the full head; median of the per-pair ratios of process
-CPU time), both changes took 2.2% off a 4-layer model's step, the ``addmm_`` alone 3.3%
-off an 8-layer one's; wall-clock ratios were within the noise.
+1.01, 0.99, 1.09, 1.13), both slower than on 12-04; live peak 1438 MiB against 1990.
+In one process, steps of the two code paths interleaved under the same load (the full
+head; median of the per-pair ratios of process CPU time), both changes took 2.2% off a
+4-layer model's step, the ``addmm_`` alone 3.3% off an 8-layer one's; wall-clock ratios
+were within the noise.
 """
 
 from __future__ import annotations
