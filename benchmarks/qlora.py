@@ -45,19 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lora import TARGETS  # every attention and MLP projection, as the LoRA benchmark
 
 from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.data.assets import PRETRAINED_MODELS
 from plugintrain.model_zoo import CausalLM
 from plugintrain.model_zoo.lora import LoRASpec, init_adapters, inject, quantized_weights
 
-TARGETS = (
-    "*.attention.wq",
-    "*.attention.wk",
-    "*.attention.wv",
-    "*.attention.wo",
-    "*.feed_forward.*",
-)
 VARIANTS = {"bf16 base": None, "nf4": "nf4", "int8": "int8"}
 SPEED_VARIANTS = {"lora": None, "nf4": "nf4", "int8": "int8"}
 MiB = 2**20

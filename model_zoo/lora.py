@@ -418,7 +418,7 @@ def quantize_frozen(module: nn.Module, kind: str) -> dict[str, str]:
         weight = layer.weight
         if isinstance(weight, QuantizedWeight):
             continue
-        why = "it trains" if weight.requires_grad else unquantizable(kind, tuple(weight.shape))
+        why = kept_unquantized(weight, kind)
         if why is not None:
             kept[path] = why
             continue
@@ -430,6 +430,13 @@ def quantize_frozen(module: nn.Module, kind: str) -> dict[str, str]:
         listed = ", ".join(f"{path} ({why})" for path, why in kept.items())
         warnings.warn(f"LoRA quantize={kind!r}: kept unquantized: {listed}", stacklevel=2)
     return kept
+
+
+def kept_unquantized(weight: Tensor, kind: str) -> str | None:
+    """Why a QLoRA run of ``kind`` keeps an adapted layer's ``weight`` as it is (None: it
+    holds it quantized): a weight that trains, or one the quantization's block does not
+    divide. :func:`quantize_frozen` and whatever reads such a run back follow this rule."""
+    return "it trains" if weight.requires_grad else unquantizable(kind, tuple(weight.shape))
 
 
 def quantized_weights(module: nn.Module) -> Iterator[tuple[str, QuantizedWeight]]:

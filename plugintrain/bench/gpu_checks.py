@@ -230,6 +230,21 @@ def throughput(preset: str, device: torch.device, steps: int = 10, warmup: int =
     """``preset`` with random weights, ``bf16-mixed``, AdamW: tokens/s over ``steps`` timed
     optimizer steps (after ``warmup``), MFU and peak memory, from :class:`BenchRecorder`."""
     batch, seq_len = THROUGHPUT_RUNS[preset]
+    record = _recorded_run(preset, batch, seq_len, device, steps, warmup, [])
+    return _throughput_check(preset, record)
+
+
+def _recorded_run(
+    preset: str,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    steps: int,
+    warmup: int,
+    callbacks: list[Callback],
+) -> dict[str, Any]:
+    """Train ``preset`` (random weights, ``bf16-mixed``, AdamW) on one reused batch with
+    ``callbacks``; :class:`BenchRecorder`'s record of the run."""
     config = TransformerConfig.from_name(preset, block_size=seq_len)
     fused = device.type == "cuda"  # one kernel for the whole update
     optimizer = functools.partial(torch.optim.AdamW, lr=3e-4, fused=fused)
@@ -243,12 +258,11 @@ def throughput(preset: str, device: torch.device, steps: int = 10, warmup: int =
             devices=1,
             plugins=[precision_plugin_from_name("bf16-mixed")],
             max_steps=warmup + steps + 1,  # BenchRecorder measures memory on one more
-            callbacks=[BenchRecorder(out, warmup=warmup)],
+            callbacks=[*callbacks, BenchRecorder(out, warmup=warmup)],
             **_QUIET_TRAINER,
         )
         trainer.fit(module, loader)
-        record = json.loads((Path(out) / "rank0.json").read_text())
-    return _throughput_check(preset, record)
+        return json.loads((Path(out) / "rank0.json").read_text())
 
 
 def qlora_parity(kind: str, device: torch.device) -> Check:
@@ -306,24 +320,8 @@ def qlora_throughput(name: str, device: torch.device, steps: int = 10, warmup: i
     from plugintrain.callbacks import LoRA
 
     preset, batch, seq_len = QLORA_RUNS[name]
-    config = TransformerConfig.from_name(preset, block_size=seq_len)
-    optimizer = functools.partial(torch.optim.AdamW, lr=3e-4, fused=device.type == "cuda")
-    module = CausalLM(config, optimizer=optimizer, warmup_steps=0, lr_decay_steps=1000)
-    tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1))
-    data = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    loader = torch.utils.data.DataLoader(data, batch_size=batch)
     lora = LoRA(r=16, alpha=32, target_modules=QLORA_TARGETS, quantize="nf4")
-    with tempfile.TemporaryDirectory() as out:
-        trainer = L.Trainer(
-            accelerator=device.type,
-            devices=1,
-            plugins=[precision_plugin_from_name("bf16-mixed")],
-            max_steps=warmup + steps + 1,
-            callbacks=[lora, BenchRecorder(out, warmup=warmup)],
-            **_QUIET_TRAINER,
-        )
-        trainer.fit(module, loader)
-        record = json.loads((Path(out) / "rank0.json").read_text())
+    record = _recorded_run(preset, batch, seq_len, device, steps, warmup, [lora])
     check = _throughput_check(name, record)
     check.section, check.name = "qlora", name
     return check

@@ -23,13 +23,12 @@ from torch import Tensor, nn
 
 from plugintrain.data.assets import resolve_model_path
 from plugintrain.formats.checkpoint import PREFIX, CheckpointReader
-from plugintrain.model_zoo.lora import LoRASpec, adapted_layers, inject
+from plugintrain.model_zoo.lora import LoRASpec, adapted_layers, inject, kept_unquantized
 from plugintrain.model_zoo.quantization import (
     QuantizedWeight,
     dequantize,
     fake_quantize,
     quantize,
-    unquantizable,
 )
 
 
@@ -95,16 +94,11 @@ def fake_quantize_base(module: nn.Module, kind: str) -> list[str]:
     done = []
     for path, layer in adapted_layers(module):
         weight = layer.weight
-        if isinstance(weight, QuantizedWeight) or not _held_quantized(kind, weight):
+        if isinstance(weight, QuantizedWeight) or kept_unquantized(weight, kind) is not None:
             continue
         weight.copy_(fake_quantize(weight.detach(), kind))
         done.append(path)
     return done
-
-
-def _held_quantized(kind: str, weight: Tensor) -> bool:
-    """Whether a QLoRA run of ``kind`` holds the adapted layer's ``weight`` quantized."""
-    return not weight.requires_grad and unquantizable(kind, tuple(weight.shape)) is None
 
 
 _DIGESTS: dict[tuple, str] = {}
@@ -232,7 +226,8 @@ class MergedAdapterReader:
         if f"{stem}.lora_A" not in self._held:
             return weight
         dtype = weight.dtype
-        if self.quantize is not None and not trained and _held_quantized(self.quantize, weight):
+        held = self.quantize is not None and kept_unquantized(weight, self.quantize) is None
+        if held and not trained:
             # Dequantized in fp32 and rounded to the stored dtype once, after the merge.
             packed = quantize(weight, self.quantize)
             weight = dequantize(packed, self.quantize, tuple(weight.shape), torch.float32)
