@@ -16,6 +16,7 @@ __all__, __getattr__ = lazy_exports(
         "families": ("deepseek_v3", "gpt2", "llama3", "qwen3", "qwen3_moe"),
         "lm": ("CausalLM",),
         "mnist": ("MNISTClassifier",),
+        "preference": ("PreferenceLM",),
         "transformer": ("Transformer",),
     },
 )

@@ -216,9 +216,22 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
             return torch.zeros(2, dtype=torch.float64, device=self.device)
         return counts
 
+    def check_launch(self, trainer: L.Trainer, datamodule: L.LightningDataModule | None) -> None:
+        """Refuse, in one line, data this model does not train on: preference pairs (a
+        :class:`~plugintrain.model_zoo.PreferenceLM`'s). ``plugintrain fit`` calls it
+        before any process is launched; :meth:`setup` again (the Python API)."""
+        if getattr(datamodule, "preference", False):
+            raise ValueError(
+                f"{type(datamodule).__name__} holds preference pairs, which"
+                f" {type(self).__name__} does not train on; use `model: class_path:"
+                " plugintrain.model_zoo.PreferenceLM` (DPO and its family)"
+            )
+
     def setup(self, stage: str) -> None:
         """Bits per byte take the bytes per token id of a datamodule that knows them."""
         datamodule = self.trainer.datamodule
+        if type(self).check_launch is CausalLM.check_launch:
+            self.check_launch(self.trainer, datamodule)
         for metrics in self.eval_metrics.values():
             metrics.token_bytes = _token_bytes_of(datamodule)
         self.loss_mask = bool(getattr(datamodule, "loss_mask", False))

@@ -25,6 +25,7 @@ on q, k and v's one input, were 17.6% of a SmolLM2 LoRA step on the CPU).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import math
@@ -89,10 +90,12 @@ class LoRALinear(nn.Linear):
         self.dropout = dropout
         self.shared: SharedInput | None = None
         self.merged = False
+        self.disabled = False
 
     def forward(self, x: Tensor) -> Tensor:
-        """``x W^T + b`` plus, unless merged, ``scaling * dropout(x) A^T B^T``."""
-        if self.merged:
+        """``x W^T + b`` plus, unless merged or switched off (:func:`adapters_disabled`),
+        ``scaling * dropout(x) A^T B^T``."""
+        if self.merged or self.disabled:
             return self._base(x)
         h = self.shared.down(self, x) if self.shared is not None else _down((self,), x)[0]
         if not _one_plain_dtype(x, self.weight, self.lora_B):
@@ -566,6 +569,24 @@ def flops_per_token_change(module: nn.Module) -> int:
         layer.lora_A.numel() + layer.lora_B.numel() for _, layer in adapted_layers(module)
     )
     return 6 * adapters - 2 * frozen
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` as its base: every adapter switched off inside the block (the
+    reference model of preference tuning, with no second copy of the weights). Merged
+    adapters are refused (their update is in the weight)."""
+    layers = [layer for _, layer in adapted_layers(module)]
+    merged = [layer for layer in layers if layer.merged]
+    if merged:
+        raise ValueError("adapters_disabled: unmerge the adapters first (they are in the weights)")
+    for layer in layers:
+        layer.disabled = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.disabled = False
 
 
 def merge(module: nn.Module) -> int:

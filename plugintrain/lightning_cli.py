@@ -365,6 +365,9 @@ class PluginTrainCLI(LightningCLI):
             check = getattr(callback, "check_model", None)
             if callable(check):
                 check(self.model, self.trainer.strategy)
+        check_launch = getattr(self.model, "check_launch", None)  # PreferenceLM: its data,
+        if callable(check_launch):  # reference and pipeline micro-batches
+            check_launch(self.trainer, self.datamodule)
         super().after_instantiate_classes()
 
     @override

@@ -178,15 +178,19 @@ class PipelineRuntime:
                 positions=positions,
             )
         loss = self._broadcast_loss(loss, batch[0].device)
+        self._share_statistics(batch[0].device)
         self.module.record_loss("train", loss, batch)
         return loss
 
     def evaluate(self, stage: str, batch: Any) -> None:
         """A forward-only schedule over ``batch``; logs the loss for ``stage``."""
-        count = math.gcd(batch[0].size(0), self.microbatches)
+        # Rows that go together (a preference pair's two) never part: count in samples.
+        unit = getattr(self.module, "rows_per_sample", 1)
+        count = math.gcd(batch[0].size(0) // unit, self.microbatches)
         inputs, targets, positions = _microbatches(batch, count)
         loss = self.executor.eval_step(inputs, targets, positions)
         loss = self._broadcast_loss(loss, batch[0].device)
+        self._share_statistics(batch[0].device)
         self.module.record_loss(stage, loss, batch)
 
     def backward(self, closure_loss: Tensor, binding: EngineBinding) -> None:
@@ -210,6 +214,18 @@ class PipelineRuntime:
         """Start reducing ``chunk``'s buckets: the executor has run its last backward."""
         if self._engine is not None:
             self._engine.launch(self._chunk_params.get(chunk, []))  # a chunk may train nothing
+
+    def _share_statistics(self, device: torch.device) -> None:
+        """A module that keeps statistics of its loss (``statistics_vector``: a fixed-size
+        float vector, computed on the last stage, zeros elsewhere) gets the last stage's
+        on every rank of the pipeline (``receive_statistics``), so that every rank logs the
+        same keys and values (a synchronized log is a collective every rank must join)."""
+        share = getattr(self.module, "statistics_vector", None)
+        if not callable(share):
+            return
+        vector = share(device).detach().float().contiguous()
+        dist.broadcast(vector, src=self.executor.last_rank_global, group=self.executor.group)
+        self.module.receive_statistics(vector)
 
     def _broadcast_loss(self, loss: Tensor | None, device: torch.device) -> Tensor:
         """The last stage's loss on every rank of the pipeline (zeros stand in elsewhere)."""

@@ -14,6 +14,16 @@ answers.
   conversations (all messages but the last, which is the reference answer).
 - a ``.jsonl``/``.json`` file of conversations, each ending with the reference assistant
   message: loss on the reference's tokens and the same answers.
+- a preference folder (``plugintrain prepare preference``): each held-out pair's answer
+  log-probs under the model and under a reference, and from them the preference accuracy
+  (the share of pairs whose chosen answer gains more log-probability over the reference
+  than the rejected one: DPO's implicit reward ranks it first), the mean reward margin
+  (``--beta`` times the difference of the two gains) and the reference's own accuracy
+  (its chosen answer more likely than its rejected one). The reference is the folder's
+  own (``prepare preference --reference``), else, with ``--adapter``, ``--weights``
+  without it; with neither, the accuracy is the model's own. Loss and perplexity are
+  over the chosen answers' tokens, and the answers to the pairs' prompts are scored
+  against the chosen answers.
 
 An answer ends at the template's end of turn or after ``--max_new_tokens``; it scores an
 exact match when it equals the reference once surrounding whitespace is stripped, and
@@ -22,8 +32,9 @@ exact match when it equals the reference once surrounding whitespace is stripped
 The results print as a table; ``--json OUT`` writes them to OUT as one JSON object instead
 (``-``: to stdout), with every key present and null where the data has no such measure:
 ``weights, adapter, data, split, examples, tokens, loss, perplexity, bits_per_byte,
-exact_match, contains``. Bad options and data end the command with one line and exit
-status 2, before the model loads where the model is not needed to tell.
+exact_match, contains, preference_accuracy, reward_margin, reference_accuracy``. Bad
+options and data end the command with one line and exit status 2, before the model loads
+where the model is not needed to tell.
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ if TYPE_CHECKING:
     from plugintrain.model_zoo.metrics import Totals
 
 TEXT, CHAT_FOLDER, CHAT_FILE = "text folder", "chat folder", "chat file"
+PREFERENCE_FOLDER = "preference folder"
 
 
 def _argument_problem(args: Namespace) -> str | None:
@@ -125,6 +137,12 @@ def open_data(path: Path, split: str | None, limit: int | None = None) -> EvalDa
         conversations = _with_references(read_conversations(path)[:limit], path)
         return EvalData(path, CHAT_FILE, None, {}, conversations)
     meta, split = read_meta(path) if path.is_dir() else {}, split or "val"
+    if meta.get("kind") == "preference":
+        _check_split(path, split, list(meta.get("splits", {})), f"{split}.ids.npy")
+        _check_examples(path, meta, split)
+        file = path / f"{split}.pairs.jsonl"
+        conversations = _pair_prompts(file)[:limit] if file.is_file() else None
+        return EvalData(path, PREFERENCE_FOLDER, split, meta, conversations)
     if meta.get("kind") == "chat":  # data.chat_datamodule.is_chat_folder, without Lightning
         _check_split(path, split, list(meta.get("splits", {})), f"{split}.ids.npy")
         _check_examples(path, meta, split)
@@ -156,9 +174,21 @@ def _check_split(path: Path, split: str, splits: list[str], file: str | None) ->
         )
 
 
+def _pair_prompts(file: Path) -> list[list[dict[str, str]]]:
+    """Each pair of a preference folder's ``S.pairs.jsonl`` as its prompt's messages and
+    the chosen answer (the reference answer)."""
+    import json
+
+    with file.open() as lines:
+        pairs = [json.loads(line) for line in lines if line.strip()]
+    return [[*p["prompt"], {"role": "assistant", "content": p["chosen"]}] for p in pairs]
+
+
 def _check_examples(path: Path, meta: dict[str, Any], split: str) -> None:
-    """Refuse a chat split that ``prepare chat`` left empty (its ``meta.json`` counts)."""
-    if meta["splits"][split].get("examples", 1) == 0:
+    """Refuse a chat or preference split that ``prepare`` left empty (its ``meta.json``
+    counts)."""
+    counts = meta["splits"][split]
+    if counts.get("examples", counts.get("pairs", 1)) == 0:
         raise ValueError(
             f"{path} holds no {split} examples (its meta.json); prepare it again with a larger"
             " --val_fraction or --val_examples"
@@ -311,6 +341,8 @@ def evaluate(module: PretrainedLM, data: EvalData, args: Namespace) -> dict[str,
         if data.kind == TEXT:
             totals, examples = text_totals(module, data, args.seq_len or module.max_seq_len, args)
             return _results(args, data, totals, examples, None)
+        if data.kind == PREFERENCE_FOLDER:
+            return _preference_results(module, data, args)
         tokenizer, encoder = _chat_encoder(module, data, args.template)
         if data.kind == CHAT_FOLDER:
             examples = folder_examples(data, args.limit)
@@ -322,6 +354,42 @@ def evaluate(module: PretrainedLM, data: EvalData, args: Namespace) -> dict[str,
             texts = [tokenizer.decode(a) for a in answers(module, encoder, data, args)]
             scores = score(texts, [messages[-1]["content"] for messages in data.conversations])
     return _results(args, data, totals, count, scores)
+
+
+def _preference_results(module: PretrainedLM, data: EvalData, args: Namespace) -> dict[str, Any]:
+    """A preference folder's results: the chosen answers' loss, the answers to the pairs'
+    prompts, and the preference accuracy and margin over the reference."""
+    import numpy as np
+
+    from plugintrain.model_zoo.metrics import chat_totals
+    from plugintrain.model_zoo.preference import scored_logps
+
+    sequences = list(folder_examples(data, None if args.limit is None else 2 * args.limit))
+    logps = scored_logps(module.model, sequences, args.batch_size)
+    reference = getattr(args, "reference_logps", None)
+    if reference is None:
+        reference = _folder_reference(data, len(sequences))
+    totals, _ = chat_totals(module, iter(sequences[0::2]), args.batch_size, data.path)
+    scores = None
+    if data.conversations:
+        tokenizer, encoder = _chat_encoder(module, data, args.template)
+        texts = [tokenizer.decode(a) for a in answers(module, encoder, data, args)]
+        scores = score(texts, [messages[-1]["content"] for messages in data.conversations])
+    results = _results(args, data, totals, len(sequences) // 2, scores)
+    gain = logps if reference is None else logps - reference
+    results["preference_accuracy"] = float(np.mean(gain[0::2] > gain[1::2]))
+    if reference is not None:
+        results["reward_margin"] = float(args.beta * np.mean(gain[0::2] - gain[1::2]))
+        results["reference_accuracy"] = float(np.mean(reference[0::2] > reference[1::2]))
+    return results
+
+
+def _folder_reference(data: EvalData, count: int) -> np.ndarray | None:
+    """The first ``count`` reference log-probs a preference folder holds, else None."""
+    import numpy as np
+
+    file = data.path / f"{data.split}.ref_logps.npy"
+    return np.load(file)[:count] if file.is_file() else None
 
 
 def _chat_encoder(
@@ -371,16 +439,28 @@ def _results(
         "bits_per_byte": totals.bits_per_byte,
         "exact_match": None if scores is None else scores[0],
         "contains": None if scores is None else scores[1],
+        "preference_accuracy": None,
+        "reward_margin": None,
+        "reference_accuracy": None,
     }
 
 
-_LABELS = {"bits_per_byte": "bits per byte", "exact_match": "exact match"}
+_LABELS = {
+    "bits_per_byte": "bits per byte",
+    "exact_match": "exact match",
+    "preference_accuracy": "preference accuracy",
+    "reward_margin": "reward margin",
+    "reference_accuracy": "reference accuracy",
+}
 _FORMATS = {
     "loss": "{:.4f}",
     "perplexity": "{:.3f}",
     "bits_per_byte": "{:.4f}",
     "exact_match": "{:.1%}",
     "contains": "{:.1%}",
+    "preference_accuracy": "{:.1%}",
+    "reward_margin": "{:.4f}",
+    "reference_accuracy": "{:.1%}",
 }
 
 
@@ -399,6 +479,10 @@ def table(results: dict[str, Any]) -> str:
 
 def _options_problem(args: Namespace, data: EvalData) -> str | None:
     """Options that do not apply to ``data``; None if none."""
+    if not args.beta > 0:
+        return f"--beta {args.beta}: must be > 0 (DPO's usual value is 0.1)"
+    if data.kind != PREFERENCE_FOLDER and args.beta != 0.1:
+        return f"--beta scales a preference folder's reward margin; {data.path} holds none: drop it"
     if data.kind != TEXT and args.seq_len is not None:
         return f"--seq_len cuts text into windows; {data.path} holds chat examples: drop it"
     if data.kind == TEXT and args.template is not None:
@@ -437,6 +521,7 @@ def evaluate_command(
     batch_size: int = 8,
     limit: int | None = None,
     template: str | None = None,
+    beta: float = 0.1,
     json: str | None = None,
     device: str | None = None,
 ) -> int:
@@ -449,8 +534,9 @@ def evaluate_command(
     Args:
         weights: the model's weights
         adapter: a LoRA run's or PEFT adapters on them
-        data: a folder of `plugintrain prepare text`/`shakespeare` (text) or `prepare
-            chat`, or a .jsonl/.json file of conversations ending with the reference answer
+        data: a folder of `plugintrain prepare text`/`shakespeare` (text), `prepare chat`
+            or `prepare preference`, or a .jsonl/.json file of conversations ending with
+            the reference answer
         tasks: instead of --data: lm-evaluation-harness tasks, comma-separated (hellaswag,
             gsm8k, or your own from --include_path), run by lm_eval with plugintrain's model
         include_path: --tasks: a folder of your own lm-eval task YAMLs
@@ -461,6 +547,7 @@ def evaluate_command(
         batch_size: windows or examples a batch
         limit: the first N windows/examples
         template: chat: a .jinja chat template, or plain (default: the model's own)
+        beta: preference: DPO's beta, the reward margin's scale
         json: write the results as JSON to this file (-: stdout)
         device: where the model runs
     """
@@ -482,6 +569,17 @@ def _evaluate(args: Namespace) -> int:
     problem = _options_problem(args, found)
     if problem is not None:
         raise ConfigError(problem)
+    args.reference_logps = None
+    base_is_reference = args.adapter is not None and args.weights is not None
+    cached = (found.path / f"{found.split}.ref_logps.npy").is_file()
+    if found.kind == PREFERENCE_FOLDER and args.weights is None and not cached:
+        raise ConfigError(
+            f"--data {found.path} holds no reference log-probs, and the reference of an"
+            " adapter is its base: pass --weights BASE (the weights the adapter was trained"
+            " on) beside --adapter"
+        )
+    if found.kind == PREFERENCE_FOLDER and base_is_reference and not cached:
+        args.reference_logps = _base_logps(args, found)
     module = _load(args, found)
     try:
         results = evaluate(module, found, args)
@@ -494,6 +592,19 @@ def _evaluate(args: Namespace) -> int:
     else:
         Path(args.json).write_text(dumps(results, indent=2) + "\n")
     return 0
+
+
+def _base_logps(args: Namespace, data: EvalData) -> np.ndarray:
+    """The held-out pairs' log-probs under ``--weights`` without the adapter: the
+    reference of a LoRA run (loaded, used and let go before the adapted model loads)."""
+    import torch
+
+    from plugintrain.model_zoo.preference import scored_logps
+
+    base = _load(Namespace(**{**vars(args), "adapter": None}), data)
+    count = None if args.limit is None else 2 * args.limit
+    with torch.inference_mode():
+        return scored_logps(base.model.eval(), folder_examples(data, count), args.batch_size)
 
 
 def _run_tasks(args: Namespace) -> int:

@@ -7,11 +7,15 @@ import inspect
 import json
 import sys
 from argparse import Namespace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from plugintrain.cli_messages import ConfigError
 from plugintrain.tools._command import Group, shared_help
+
+if TYPE_CHECKING:
+    from plugintrain.data.prepare.preference_prepare import Reference
 
 _TOKENIZER = (
     "gpt2, llama3, a pretrained model (smollm2-135m), or the path of a tokenizer.json, a"
@@ -218,17 +222,20 @@ def _val_fraction(args: Namespace, instead: str) -> float:
 
 
 def _refuse_chat_folder(out: Path) -> None:
-    """A folder of ``prepare chat`` is never written over with text (even with
-    --overwrite: its files are no shards ``prepare text`` would clear)."""
+    """A folder of ``prepare chat`` or ``prepare preference`` is never written over with
+    text (even with --overwrite: its files are no shards ``prepare text`` would clear)."""
     from plugintrain.data.prepare.chat_prepare import KIND
+    from plugintrain.data.prepare.preference_prepare import KIND as PREFERENCE
 
     try:
         meta = json.loads((out / "meta.json").read_text())
     except (OSError, ValueError):
         return
-    if isinstance(meta, dict) and meta.get("kind") == KIND:
+    kind = meta.get("kind") if isinstance(meta, dict) else None
+    if kind in (KIND, PREFERENCE):
+        what = "chat data" if kind == KIND else "preference pairs"
         raise ConfigError(
-            f"--out {out}: holds chat data prepared by `plugintrain prepare chat`; write text"
+            f"--out {out}: holds {what} prepared by `plugintrain prepare {kind}`; write text"
             " to a folder of its own"
         )
 
@@ -289,57 +296,188 @@ def chat(
 def _chat_main(args: Namespace) -> int:
     """``prepare chat``: every problem is one line, exit 2, and nothing written."""
     from plugintrain.data.prepare.chat_prepare import ChatPrepareOptions, prepare_chat
+
+    options = ChatPrepareOptions(**_encoding_options(args), train_on=args.train_on, pack=args.pack)
+    return _prepare_encoded(
+        args,
+        "chat",
+        "example",
+        lambda: prepare_chat(args.inputs, args.out, options, args.overwrite, args.show),
+    )
+
+
+def _encoding_options(args: Namespace) -> dict[str, Any]:
+    """The options ``prepare chat`` and ``prepare preference`` share, as keyword arguments
+    of their options classes."""
     from plugintrain.data.prepare.text_sources import ReadOptions
 
-    options = ChatPrepareOptions(
-        tokenizer=args.tokenizer,
-        template=args.template,
-        format=args.format,
-        train_on=args.train_on,
-        seq_len=args.seq_len,
-        pack=args.pack,
-        truncate=args.truncate,
-        val_fraction=_val_fraction(args, "val_examples"),
-        val_examples=args.val_examples,
-        seed=args.seed,
-        read=ReadOptions(split=args.split, hub_config=args.hf_config),
-    )
+    return {
+        "tokenizer": args.tokenizer,
+        "template": args.template,
+        "format": args.format,
+        "seq_len": args.seq_len,
+        "truncate": args.truncate,
+        "val_fraction": _val_fraction(args, "val_examples"),
+        "val_examples": args.val_examples,
+        "seed": args.seed,
+        "read": ReadOptions(split=args.split, hub_config=args.hf_config),
+    }
+
+
+def _prepare_encoded(
+    args: Namespace, command: str, unit: str, prepare: Callable[[], dict[str, Any]]
+) -> int:
+    """Run ``prepare`` (``prepare chat`` or ``prepare preference``, which write ``unit``s)
+    and print its meta.json; a bad input or setting is one line, exit 2."""
     try:
         if args.show < 0:
             raise ValueError(f"--show {args.show}: must be >= 0")
-        meta = prepare_chat(args.inputs, args.out, options, args.overwrite, args.show)
-    except (FileExistsError, ValueError) as error:  # the chat, template and input errors
+        meta = prepare()
+    except (FileExistsError, ValueError) as error:  # the row, template and input errors
         raise ConfigError(str(error)) from None
-    if not meta["splits"]["val"]["examples"]:
+    if not meta["splits"]["val"][f"{unit}s"]:
         sys.stderr.write(
-            f"prepare chat: no example was held out, so {args.out} has no validation split;"
+            f"prepare {command}: no {unit} was held out, so {args.out} has no validation split;"
             " rerun with --val_examples N (and --overwrite) to hold some out\n"
         )
     print(json.dumps(meta, indent=2))
     return 0
 
 
-def dates(*, out: str = "data/dates.jsonl", count: int = 2000, seed: int = 0) -> int:
+@shared_help(tokenizer=_TOKENIZER)
+def preference(
+    inputs: list[str],
+    *,
+    tokenizer: str,
+    out: str,
+    format: Literal["auto", "conversational", "text", "hh"] = "auto",
+    template: str | None = None,
+    seq_len: int = 1024,
+    max_prompt: int | None = None,
+    truncate: Literal["right", "drop", "error"] = "right",
+    val_fraction: float | None = None,
+    val_examples: int | None = None,
+    seed: int = 0,
+    show: int = 0,
+    workers: int = 1,
+    reference: str | None = None,
+    reference_batch_size: int = 8,
+    split: str = "train",
+    hf_config: str | None = None,
+    overwrite: bool = False,
+) -> int:
+    """Preference pairs (prompt, chosen, rejected) as token ids with answer masks (DPO).
+
+    Encodes each pair's prompt with its chosen and with its rejected answer through the
+    chat template into two sequences (the mask on the final answer only), ids, masks and
+    offsets per split, val.pairs.jsonl and meta.json.
+
+    Args:
+        inputs: .jsonl .json .parquet files (also .gz/.zst), folders, globs, datasets
+            save_to_disk folders, or hf:NAME (the hub)
+        tokenizer: the tokenizer
+        out: output folder
+        format: the rows' layout: conversational (prompt messages, chosen/rejected
+            assistant messages or whole conversations), text (three strings) or hh
+            (Anthropic HH: the prompt is the texts' start through the last shared
+            'Assistant:'); default: told by the first row
+        template: a Jinja chat template file, or plain (for a base model); default: the
+            tokenizer's own
+        seq_len: most tokens of a sequence (prompt and answer)
+        max_prompt: most prompt tokens kept when a pair is cut (default: seq_len // 2)
+        truncate: a pair whose prompt and longer answer exceed --seq_len: right: cut the
+            prompt's start to --max_prompt tokens, then each answer's end to fit (a pair
+            with no answer token left is dropped); drop: drop it; error: refuse the input
+        val_fraction: share of pairs held out for validation, by a seeded hash
+            (default 0.01)
+        val_examples: hold out exactly this many pairs instead
+        seed: seed of the held-out split
+        show: print this many encoded pairs, the trained text marked, and their ids and
+            mask
+        workers: processes encoding the rows (same output)
+        reference: weights of the reference model (a pretrained name such as
+            smollm2-135m, a Hugging Face folder, a .gguf file or a checkpoint): store each
+            sequence's log-prob of its answer under it (S.ref_logps.npy), so training holds
+            one model
+        reference_batch_size: sequences the reference scores at once
+        split: split of an hf:NAME dataset
+        hf_config: configuration of an hf:NAME dataset
+        overwrite: rebuild an existing preference folder
+    """
+    return _preference_main(Namespace(**locals()))
+
+
+def _preference_main(args: Namespace) -> int:
+    """``prepare preference``: every problem is one line, exit 2, and nothing written."""
+    from plugintrain.data.prepare.preference_prepare import (
+        PreferencePrepareOptions,
+        prepare_preference,
+    )
+
+    options = PreferencePrepareOptions(
+        **_encoding_options(args), max_prompt=args.max_prompt, workers=args.workers
+    )
+
+    def prepare() -> dict[str, Any]:
+        reference = _reference(args.reference, args.reference_batch_size)
+        return prepare_preference(
+            args.inputs, args.out, options, args.overwrite, args.show, reference
+        )
+
+    return _prepare_encoded(args, "preference", "pair", prepare)
+
+
+def _reference(weights: str | None, batch_size: int) -> Reference | None:
+    """The reference model of ``--reference``: the model zoo's scorer, bound to it (a
+    ``--reference_batch_size`` below 1 refused, with or without it)."""
+    if batch_size < 1:
+        raise ValueError(f"--reference_batch_size {batch_size}: must be >= 1")
+    if weights is None:
+        return None
+    import functools
+
+    from plugintrain.data.prepare.preference_prepare import Reference
+    from plugintrain.model_zoo.preference import reference_logps
+
+    return Reference(weights, functools.partial(reference_logps, weights, batch_size=batch_size))
+
+
+def dates(
+    *,
+    out: str | None = None,
+    count: int = 2000,
+    seed: int = 0,
+    preference: bool = False,
+) -> int:
     """The chat demo's conversations: dates as people write them -> ISO 8601.
 
     Writes the chat fine-tuning demo's conversations as JSON lines (messages format), built
     offline from Python's calendar: distinct dates from 1900 to 2099, each written in one
-    of seven styles, answered as YYYY-MM-DD.
+    of seven styles, answered as YYYY-MM-DD. With --preference, the DPO demo's pairs of
+    the same questions instead (conversational layout): chosen the ISO date alone,
+    rejected a near miss (the date restated, a sentence around it, month and day swapped,
+    or a day off).
 
     Args:
-        out: the .jsonl file to write
-        count: conversations
-        seed: which dates
+        out: the .jsonl file to write (default: data/dates.jsonl, with --preference
+            data/dates_preference.jsonl)
+        count: conversations (pairs)
+        seed: which dates (the same for both kinds; and which near misses)
+        preference: write preference pairs for `prepare preference`
     """
-    from plugintrain.data.prepare.date_chat import write_date_conversations
+    from plugintrain.data.prepare.date_chat import write_date_conversations, write_date_pairs
 
     if not 1 <= count <= 73_000:  # distinct days in 200 years
         raise ConfigError(f"--count {count}: give between 1 and 73000 conversations")
-    path = Path(out)
+    path = Path(out or ("data/dates_preference.jsonl" if preference else "data/dates.jsonl"))
     if path.is_dir():
         raise ConfigError(
             f"--out {path} is a folder; give the .jsonl file to write, e.g. {path}/dates.jsonl"
         )
+    if preference:
+        written = write_date_pairs(path, count, seed)
+        print(json.dumps({"out": str(written), "pairs": count, "seed": seed}))
+        return 0
     written = write_date_conversations(path, count, seed)
     print(json.dumps({"out": str(written), "conversations": count, "seed": seed}))
     return 0
@@ -361,6 +499,7 @@ PREPARE = Group(
         "mnist": mnist,
         "text": text,
         "chat": chat,
+        "preference": preference,
         "dates": dates,
         "merge": merge,
     },

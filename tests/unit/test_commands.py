@@ -23,6 +23,7 @@ MINIMAL: dict[str, list[str]] = {
     "prepare mnist": [],
     "prepare text": ["a.txt", "--tokenizer", "gpt2", "--out", "out"],
     "prepare chat": ["a.jsonl", "--tokenizer", "gpt2", "--out", "out"],
+    "prepare preference": ["a.jsonl", "--tokenizer", "gpt2", "--out", "out"],
     "prepare dates": [],
     "prepare merge": ["task0", "task1", "--out", "out"],
     "generate": ["--weights", "last.ckpt"],

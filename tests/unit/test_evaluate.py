@@ -21,7 +21,8 @@ from plugintrain.model_zoo.generation import PretrainedLM
 TOKENIZER = "smollm2-135m"
 KEYS = {
     "weights", "adapter", "data", "split", "examples", "tokens", "loss", "perplexity",
-    "bits_per_byte", "exact_match", "contains",
+    "bits_per_byte", "exact_match", "contains", "preference_accuracy", "reward_margin",
+    "reference_accuracy",
 }  # fmt: skip
 
 
@@ -438,3 +439,80 @@ def test_options_that_do_not_apply_are_refused(monkeypatch, tmp_path, capsys, op
     data = _write_jsonl(tmp_path / "qa.jsonl", _conversations(["Paris"]))
     got = _error(monkeypatch, tmp_path, capsys, _not_loaded, data, *options)
     assert got == message.format(data=data)
+
+
+# ---- preference folders ----------------------------------------------------------------------
+
+
+def _preference_folder(tmp_path: Path) -> Path:
+    from plugintrain.data import PreferencePrepareOptions, prepare_preference
+
+    rows = tmp_path / "pairs.jsonl"
+    with rows.open("w") as out:
+        for n in range(6):
+            pair = {"prompt": f"Count to {n + 2}.", "chosen": " ".join(map(str, range(1, n + 3)))}
+            pair["rejected"] = f"No, {n} is enough." if n % 2 else "I will not."
+            out.write(json.dumps(pair) + "\n")
+    options = PreferencePrepareOptions(tokenizer=TOKENIZER, seq_len=64, val_examples=4)
+    prepare_preference([str(rows)], tmp_path / "pref", options)
+    return tmp_path / "pref"
+
+
+def test_preference_folder_against_plain_log_softmax(monkeypatch, tmp_path, capsys):
+    """Each held-out sequence's answer log-prob from plain ``log_softmax`` of the model's
+    logits, one sequence at a time; the accuracies and margin from those and from the
+    reference log-probs the folder stores (written here); the answers scored against the
+    chosen ones."""
+    folder = _preference_folder(tmp_path)
+    ids = np.load(folder / "val.ids.npy")
+    mask = np.load(folder / "val.mask.npy").astype(bool)
+    offsets = np.load(folder / "val.offsets.npy")
+    lm = _chat_model()
+    logps = []
+    with torch.no_grad():
+        for start, end in itertools.pairwise(offsets):
+            row = torch.as_tensor(ids[start:end].astype(np.int64))
+            picked = F.log_softmax(lm(row[None, :-1])[0].double(), -1)[
+                torch.arange(len(row) - 1), row[1:]
+            ]
+            logps.append(picked[torch.as_tensor(mask[start + 1 : end])].sum().item())
+    logps = np.array(logps)
+    reference = np.random.default_rng(0).normal(-20, 5, len(logps))
+    np.save(folder / "val.ref_logps.npy", reference)
+    results = _run_json(
+        monkeypatch, tmp_path, capsys, lm, folder, "--max_new_tokens=2", "--beta=0.5"
+    )
+    assert set(results) == KEYS
+    gain = logps - reference
+    assert results["examples"] == len(logps) // 2 == 4
+    assert results["preference_accuracy"] == np.mean(gain[0::2] > gain[1::2])
+    assert results["reward_margin"] == pytest.approx(0.5 * np.mean(gain[0::2] - gain[1::2]))
+    assert results["reference_accuracy"] == np.mean(reference[0::2] > reference[1::2])
+    chosen_tokens = sum(
+        mask[start + 1 : end].sum()
+        for start, end in zip(offsets[0:-1:2], offsets[1::2], strict=True)
+    )
+    assert results["loss"] == pytest.approx(-logps[0::2].sum() / chosen_tokens, rel=1e-5)
+    assert results["exact_match"] is not None
+
+
+def test_beta_goes_with_a_preference_folder(monkeypatch, tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, 200).astype(np.uint16)
+    data = _llmc_folder(tmp_path / "text", tokens, np.ones(64, dtype=np.int64))
+    _evaluate(monkeypatch, tmp_path, _text_model(), data, "--beta=0.5", status=2)
+    assert "--beta scales a preference folder's reward margin" in capsys.readouterr().err
+
+
+def test_an_adapter_alone_has_no_reference(tmp_path, capsys):
+    """A preference folder without stored reference log-probs, an adapter and no
+    --weights: the reference (the adapter's base) is not known, so the command says to
+    pass it, in one line, before any model loads."""
+    from plugintrain.cli import main
+
+    folder = _preference_folder(tmp_path)
+    (tmp_path / "adapter").mkdir()
+    args = ["evaluate", f"--adapter={tmp_path / 'adapter'}", f"--data={folder}"]
+    assert main(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert "pass --weights BASE (the weights the adapter was trained on)" in line

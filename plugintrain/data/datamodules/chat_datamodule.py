@@ -188,12 +188,7 @@ class ChatDataModule(ResumableBatches):
         self.pack = bool(self.meta.get("pack", True)) if pack is None else pack
         if batch_size < 1 or self.seq_len < 1:
             raise ValueError(f"batch_size ({batch_size}) and seq_len ({self.seq_len}) must be >= 1")
-        if max_seq_len is not None and self.seq_len > max_seq_len:
-            raise ValueError(
-                f"seq_len={self.seq_len} exceeds the model's max_seq_len={max_seq_len}; set"
-                f" --data.init_args.seq_len {max_seq_len} (and prepare with --seq_len"
-                f" {max_seq_len} so no example is longer)"
-            )
+        check_seq_len(self.seq_len, max_seq_len, "example")
         self.pad_id = int(self.meta.get("pad_id", self.meta.get("eos_id", 0)))
 
     def setup(self, stage: str) -> None:
@@ -210,45 +205,85 @@ class ChatDataModule(ResumableBatches):
 
     def _examples(self, split: str) -> ChatExamples:
         examples = ChatExamples(self.data_dir, split)
-        if len(examples) == 0:
-            raise ValueError(
-                f"{self.data_dir} holds no {split} examples (its meta.json); prepare it again"
-                " with a larger --val_fraction or --val_examples"
-            )
-        longest = int(examples.lengths.max())
-        if longest > self.seq_len:
-            raise ValueError(
-                f"{self.data_dir}/{split} holds an example of {longest} tokens, longer than"
-                f" seq_len={self.seq_len}; set --data.init_args.seq_len {longest} or leave it"
-                " unset (the folder's own)"
-            )
+        check_split(self.data_dir, split, examples.lengths, self.seq_len, "examples", "an example")
         return examples
+
+
+def check_seq_len(seq_len: int, max_seq_len: int | None, unit: str) -> None:
+    """Refuse a ``seq_len`` over the model's ``max_seq_len`` (``unit``: what the folder
+    holds, each at most ``seq_len`` tokens)."""
+    if max_seq_len is not None and seq_len > max_seq_len:
+        raise ValueError(
+            f"seq_len={seq_len} exceeds the model's max_seq_len={max_seq_len}; set"
+            f" --data.init_args.seq_len {max_seq_len} (and prepare with --seq_len"
+            f" {max_seq_len} so no {unit} is longer)"
+        )
+
+
+def check_split(
+    folder: Path, split: str, lengths: np.ndarray, seq_len: int, items: str, one: str
+) -> None:
+    """Refuse a split of ``folder`` that holds no ``items`` (its ``lengths``: tokens of each
+    sequence), or one (``one``: ``"an example"``) longer than ``seq_len``."""
+    if len(lengths) == 0:
+        raise ValueError(
+            f"{folder} holds no {split} {items} (its meta.json); prepare it again"
+            " with a larger --val_fraction or --val_examples"
+        )
+    longest = int(lengths.max())
+    if longest > seq_len:
+        raise ValueError(
+            f"{folder}/{split} holds {one} of {longest} tokens, longer than"
+            f" seq_len={seq_len}; set --data.init_args.seq_len {longest} or leave it"
+            " unset (the folder's own)"
+        )
 
 
 def _chat_meta(folder: Path, tokenizer: str | None, vocab_size: int | None) -> dict[str, Any]:
     """The folder's ``meta.json``, checked: a chat folder, of the model's tokenizer and
     within its vocabulary."""
     meta = read_meta(folder)
+    if meta.get("kind") == "preference":
+        raise ValueError(
+            f"{folder} holds preference pairs (plugintrain prepare preference), not chat"
+            " examples; train on it with `data: class_path:"
+            f" plugintrain.data.PreferenceDataModule` (init_args: data_dir: {folder})"
+        )
     if not is_chat_folder(meta):
-        # A folder with anything in it stays as it is: the chat examples go beside it.
-        empty = not folder.is_dir() or not any(folder.iterdir())
-        out = folder if empty else folder.with_name(f"{folder.name}_chat")
-        what = "no meta.json" if not meta else "text tokens (plugintrain prepare text/shakespeare)"
+        what, out = prepare_hint(folder, meta, CHAT_KIND)
         raise ValueError(
             f"{folder} holds {what}, not chat examples; prepare them with `plugintrain prepare"
-            f" chat FILE.jsonl --tokenizer T --out {shlex.quote(str(out))}` and pass"
-            f" `--data.init_args.data_dir {shlex.quote(str(out))}`, or train on text with"
+            f" chat FILE.jsonl --tokenizer T --out {out}` and pass"
+            f" `--data.init_args.data_dir {out}`, or train on text with"
             " `data: class_path: plugintrain.data.TokenDataModule`"
         )
+    check_tokens(folder, meta, tokenizer, vocab_size, "the chat data")
+    return meta
+
+
+def prepare_hint(folder: Path, meta: dict[str, Any], kind: str) -> tuple[str, str]:
+    """What ``folder`` holds instead of ``kind`` data (by its ``meta``), and the folder to
+    prepare that data in, shell-quoted: ``folder`` if it is empty, else ``FOLDER_kind``
+    beside it (a folder with anything in it stays as it is)."""
+    empty = not folder.is_dir() or not any(folder.iterdir())
+    out = folder if empty else folder.with_name(f"{folder.name}_{kind}")
+    what = "no meta.json" if not meta else "text tokens (plugintrain prepare text/shakespeare)"
+    return what, shlex.quote(str(out))
+
+
+def check_tokens(
+    folder: Path, meta: dict[str, Any], tokenizer: str | None, vocab_size: int | None, data: str
+) -> None:
+    """Refuse a folder (its ``meta``) of another tokenizer than the model's, or of ids
+    outside its vocabulary (``data``: the folder's data, as the fix names it)."""
     recorded = meta.get("tokenizer")
     if tokenizer is not None and recorded and tokenizer_spec(recorded) != tokenizer_spec(tokenizer):
         raise ValueError(
             f"{folder} holds {recorded} tokens (its meta.json) but the model reads {tokenizer}"
-            f" tokens; prepare the chat data with `--tokenizer {tokenizer}`"
+            f" tokens; prepare {data} with `--tokenizer {tokenizer}`"
         )
     if vocab_size is not None and int(meta.get("vocab_size", 0)) > vocab_size:
         raise ValueError(
             f"{folder} holds {recorded} tokens with ids up to {meta['vocab_size'] - 1}, outside"
             f" the model's vocab_size={vocab_size}; prepare it with the model's tokenizer"
         )
-    return meta

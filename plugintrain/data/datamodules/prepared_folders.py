@@ -21,6 +21,13 @@ from plugintrain.data.datamodules.token_shards import (
 )
 from plugintrain.data.tokenizers.registry import tokenizer_short_name, tokenizer_spec
 
+_OTHER_KINDS = {
+    "chat": ("chat examples", "chat", "ChatDataModule"),
+    "preference": ("preference pairs", "preference", "PreferenceDataModule"),
+}
+"""Folders of other data (``meta.json``'s ``kind``): what they hold, the command that
+wrote them and the datamodule that reads them."""
+
 
 class PreparedFolders:
     """One folder, or a mixture's folders, of prepared tokens.
@@ -54,10 +61,11 @@ class PreparedFolders:
         tokenizer, tokenizers = self.tokenizer, set()
         for folder in self.paths:
             meta = read_meta(folder)
-            if meta.get("kind") == "chat":
+            if meta.get("kind") in _OTHER_KINDS:
+                what, command, module = _OTHER_KINDS[meta["kind"]]
                 raise ValueError(
-                    f"{folder} holds chat examples (plugintrain prepare chat), not text tokens;"
-                    " train on it with `data: class_path: plugintrain.data.ChatDataModule`"
+                    f"{folder} holds {what} (plugintrain prepare {command}), not text tokens;"
+                    f" train on it with `data: class_path: plugintrain.data.{module}`"
                     f" (init_args: data_dir: {folder})"
                 )
             recorded = meta.get("tokenizer")

@@ -5,7 +5,7 @@ data-parallel size or batch size."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +109,8 @@ class ResumableBatches(LightningDataModule):
         self.num_workers = num_workers
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        # How a batch's samples are joined (None: PyTorch's default stacking).
+        self.collate_fn: Callable[[list[Any]], Any] | None = None
         self._train_sampler: ResumableSampler | None = None
         # (epoch, group position, Lightning's processed count when the epoch resumed)
         self._resume: tuple[int, int, int | None] = (-1, 0, 0)
@@ -188,6 +190,7 @@ class ResumableBatches(LightningDataModule):
             batch_size=self.batch_size,
             sampler=sampler,
             drop_last=drop_last,
+            collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=pin_memory_for(self.trainer),

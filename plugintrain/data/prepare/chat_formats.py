@@ -107,14 +107,17 @@ def _turns(row: dict, field: str, where: str, fmt: str) -> list[Any]:
 
 
 def _messages(row: dict, where: str) -> list[dict[str, str]]:
-    out = []
-    for n, message in enumerate(_turns(row, "messages", where, "messages"), start=1):
-        at = f"{where}: message {n}"
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            found = sorted(message) if isinstance(message, dict) else type(message).__name__
-            raise ChatDataError(f"{at} has no role and content (found {found}); give both")
-        out.append({"role": _role(message["role"], at), "content": _text(message["content"], at)})
-    return out
+    turns = _turns(row, "messages", where, "messages")
+    return [_message(message, f"{where}: message {n}") for n, message in enumerate(turns, 1)]
+
+
+def _message(message: Any, at: str) -> dict[str, str]:
+    """``message``, checked to be a ``role``/``content`` message of `ROLES` (``at`` names
+    it in the error)."""
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        found = sorted(message) if isinstance(message, dict) else type(message).__name__
+        raise ChatDataError(f"{at} has no role and content (found {found}); give both")
+    return {"role": _role(message["role"], at), "content": _text(message["content"], at)}
 
 
 def _role(role: Any, at: str) -> str:

@@ -18,6 +18,9 @@ one conversation land in the same split.
 **All or nothing.** Every row is read and encoded in memory before anything is written,
 so bad input is reported before ``--out`` is touched; the folder is written as
 ``DIR.partial`` and renamed into place.
+
+``prepare preference`` writes the same arrays (two sequences a pair) and shares this
+module's option and ``--out`` checks, held-out split, writers and ``--show`` printing.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -39,14 +43,14 @@ from plugintrain.data.prepare.chat_formats import (
     read_chat_rows,
     to_messages,
 )
+from plugintrain.data.prepare.corpus import FORMAT as TEXT_FORMAT
+from plugintrain.data.prepare.text_sources import ReadOptions
 from plugintrain.data.tokenizers.chat_templates import (
     TRAIN_ON,
     ChatEncoder,
     ChatTemplateError,
     load_chat_template,
 )
-from plugintrain.data.prepare.corpus import FORMAT as TEXT_FORMAT
-from plugintrain.data.prepare.text_sources import ReadOptions
 from plugintrain.data.tokenizers.registry import get_tokenizer, tokenizer_spec
 
 KIND = "chat"
@@ -138,16 +142,11 @@ def prepare_chat(
     tokenizer = get_tokenizer(options.tokenizer)
     encoder = ChatEncoder(tokenizer, load_chat_template(options.tokenizer, options.template))
     fmt, examples = encode_rows(inputs, encoder, options, exclude=out)
-    held_out = _held_out(examples, options)
-    splits = {
-        split: [e for e, val in zip(examples, held_out, strict=True) if val == (split == "val")]
-        for split in SPLITS
-    }
+    splits, labels = split_held_out(examples, options.val_fraction, options.val_examples)
     meta = _meta(inputs, options, encoder, fmt, splits)
     if show:
-        labels = ["val" if val else "train" for val in held_out]
         show_examples(examples, labels, tokenizer, show, sys.stdout)
-    _write(out, splits, meta)
+    write_folder(out, lambda folder: _write_splits(folder, splits), meta)
     return meta
 
 
@@ -158,49 +157,82 @@ def _check_options(options: ChatPrepareOptions) -> None:
         "--train_on": (options.train_on, TRAIN_ON),
         "--truncate": (options.truncate, TRUNCATE),
     }
+    counts = {"--seq_len": options.seq_len}
+    check_options(choices, counts, options.val_fraction, options.val_examples)
+
+
+def check_options(
+    choices: dict[str, tuple[str, Sequence[str]]],
+    counts: dict[str, int],
+    val_fraction: float,
+    val_examples: int | None,
+) -> None:
+    """The checks of settings that ``prepare chat`` and ``prepare preference`` share.
+
+    Args:
+        choices: Each flag's value and the values it may take.
+        counts: Each flag's value, which must be at least 1.
+        val_fraction: ``--val_fraction``, in [0, 1).
+        val_examples: ``--val_examples``, None or at least 1.
+
+    Raises:
+        ChatDataError: Naming the first flag that is wrong, in that order.
+    """
     for flag, (value, allowed) in choices.items():
         if value not in allowed:
             raise ChatDataError(f"{flag} {value}: choose one of {', '.join(allowed)}")
-    if options.seq_len < 1:
-        raise ChatDataError(f"--seq_len {options.seq_len}: must be >= 1")
-    if not 0 <= options.val_fraction < 1:
-        raise ChatDataError(f"--val_fraction {options.val_fraction}: must be in [0, 1)")
-    if options.val_examples is not None and options.val_examples < 1:
-        raise ChatDataError(f"--val_examples {options.val_examples}: must be >= 1")
+    for flag, count in counts.items():
+        if count < 1:
+            raise ChatDataError(f"{flag} {count}: must be >= 1")
+    if not 0 <= val_fraction < 1:
+        raise ChatDataError(f"--val_fraction {val_fraction}: must be in [0, 1)")
+    if val_examples is not None and val_examples < 1:
+        raise ChatDataError(f"--val_examples {val_examples}: must be >= 1")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an ``out`` whose files this run would lose.
+    """Refuse an ``out`` of text shards, or one whose files this run would lose."""
+    if _read_meta(out).get("format") == TEXT_FORMAT:
+        raise FileExistsError(
+            f"--out {out}: holds text prepared by `plugintrain prepare text`; write chat data"
+            " to a folder of its own"
+        )
+    check_out(out, overwrite, KIND, "chat data", FILES)
+
+
+def check_out(out: Path, overwrite: bool, kind: str, holds: str, files: frozenset[str]) -> None:
+    """Refuse an ``out`` whose files a run of ``plugintrain prepare KIND`` would lose.
+
+    Args:
+        out: The folder to write.
+        overwrite: Whether a folder of ``kind`` may be rebuilt.
+        kind: The command, and ``meta.json``'s ``kind`` in the folders it writes.
+        holds: What those folders hold, in words (``"chat data"``).
+        files: Every file those folders may hold.
 
     Raises:
-        FileExistsError: If ``out`` is a file, holds text data or other files, or holds a
-            chat folder and ``overwrite`` is not given.
+        FileExistsError: If ``out`` is a file, holds other data or other files, or holds a
+            folder of ``kind`` and ``overwrite`` is not given.
     """
     if out.is_file():
         raise FileExistsError(f"--out {out}: is a file; choose a folder")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if not entries:
         return
-    meta = _read_meta(out)
-    if meta.get("format") == TEXT_FORMAT:
+    if _read_meta(out).get("kind") != kind:
         raise FileExistsError(
-            f"--out {out}: holds text prepared by `plugintrain prepare text`; write chat data"
-            " to a folder of its own"
-        )
-    if meta.get("kind") != KIND:
-        raise FileExistsError(
-            f"--out {out}: is not empty and holds no chat data of `plugintrain prepare chat`;"
+            f"--out {out}: is not empty and holds no {holds} of `plugintrain prepare {kind}`;"
             " choose a new or empty folder"
         )
-    others = [name for name in entries if name not in FILES]
+    others = [name for name in entries if name not in files]
     if others:
         raise FileExistsError(
-            f"--out {out}: holds chat data and other files ({', '.join(others[:5])}), which"
+            f"--out {out}: holds {holds} and other files ({', '.join(others[:5])}), which"
             " rebuilding it would lose; move them out, or choose another --out"
         )
     if not overwrite:
         raise FileExistsError(
-            f"--out {out}: holds chat data already; add --overwrite to rebuild it, or choose"
+            f"--out {out}: holds {holds} already; add --overwrite to rebuild it, or choose"
             " another --out"
         )
 
@@ -239,16 +271,17 @@ def encode_rows(
             ids, mask = encoder.encode(messages, options.train_on)
         except ChatTemplateError as error:
             raise ChatTemplateError(f"{where}: {error}") from None
-        example = ChatExample(where, messages, ids, mask, _key(messages, options.seed))
+        example = ChatExample(where, messages, ids, mask, held_out_key(messages, options.seed))
         examples.append(_fit(example, options))
     if not examples:
         raise ChatDataError(f"{' '.join(inputs)}: holds no rows; give conversations to train on")
     return fmt, examples
 
 
-def _key(messages: list[dict[str, str]], seed: int) -> float:
-    """The conversation's held-out hash, in [0, 1)."""
-    text = json.dumps(messages, ensure_ascii=False, sort_keys=True)
+def held_out_key(record: Any, seed: int) -> float:
+    """The held-out hash of ``record`` (a conversation's messages, a preference pair), in
+    [0, 1)."""
+    text = json.dumps(record, ensure_ascii=False, sort_keys=True)
     digest = hashlib.blake2b(f"{seed}\0{text}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
@@ -272,18 +305,50 @@ def _fit(example: ChatExample, options: ChatPrepareOptions) -> ChatExample:
     return example
 
 
-def _held_out(examples: list[ChatExample], options: ChatPrepareOptions) -> list[bool]:
+class Keyed(Protocol):
+    """An encoded example (a conversation, a pair), as the held-out split reads it."""
+
+    @property
+    def key(self) -> float:
+        """Its held-out hash (`held_out_key`), in [0, 1)."""
+
+    @property
+    def dropped(self) -> Any:
+        """Truthy if it is not written (over ``seq_len``)."""
+
+
+_Example = TypeVar("_Example", bound=Keyed)
+
+
+def split_held_out(
+    examples: list[_Example], val_fraction: float, val_examples: int | None
+) -> tuple[dict[str, list[_Example]], list[str]]:
+    """The examples of each split (`SPLITS`), and each example's split, held out by hash.
+
+    Raises:
+        ChatDataError: If ``val_examples`` leaves no example to train on.
+    """
+    held_out = _held_out(examples, val_fraction, val_examples)
+    labels = ["val" if val else "train" for val in held_out]
+    splits = {
+        split: [e for e, label in zip(examples, labels, strict=True) if label == split]
+        for split in SPLITS
+    }
+    return splits, labels
+
+
+def _held_out(examples: list[Keyed], val_fraction: float, val_examples: int | None) -> list[bool]:
     """Whether each example is held out."""
-    if options.val_examples is None:
-        return [e.key < options.val_fraction for e in examples]
+    if val_examples is None:
+        return [e.key < val_fraction for e in examples]
     kept = sorted(e.key for e in examples if not e.dropped)
-    if options.val_examples >= len(kept):
+    if val_examples >= len(kept):
         raise ChatDataError(
-            f"--val_examples {options.val_examples}: the input holds {len(kept)} examples"
+            f"--val_examples {val_examples}: the input holds {len(kept)} examples"
             f" (after fitting to --seq_len); hold out fewer (at most {max(len(kept) - 1, 0)},"
             " so that one is left to train on)"
         )
-    threshold = kept[options.val_examples - 1]
+    threshold = kept[val_examples - 1]
     return [e.key <= threshold for e in examples]  # copies of one conversation go together
 
 
@@ -334,14 +399,23 @@ def _counts(examples: list[ChatExample]) -> dict[str, int]:
 # -- output -----------------------------------------------------------------------------
 
 
-def _write(out: Path, splits: dict[str, list[ChatExample]], meta: dict[str, Any]) -> None:
-    """Write the folder as ``out.partial``, then rename it onto ``out``."""
+def _write_splits(folder: Path, splits: dict[str, list[ChatExample]]) -> None:
+    """Each split's examples kept, and the val examples' messages."""
+    for split, examples in splits.items():
+        kept = [e for e in examples if not e.dropped]
+        write_sequences(folder, split, [(e.ids, e.mask) for e in kept])
+        if split == "val":
+            write_jsonl(folder / "val.messages.jsonl", ({"messages": e.messages} for e in kept))
+
+
+def write_folder(out: Path, write_splits: Callable[[Path], None], meta: dict[str, Any]) -> None:
+    """Write the folder as ``out.partial`` (its splits by ``write_splits``, then
+    ``meta.json``), then rename it onto ``out``."""
     staging = sibling(out, PARTIAL_SUFFIX)
     remove(staging)  # a killed run's
     staging.mkdir(parents=True)
     try:
-        for split, examples in splits.items():
-            _write_split(staging, split, [e for e in examples if not e.dropped])
+        write_splits(staging)
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         fsync_tree(staging)
         publish(staging, out)
@@ -350,17 +424,24 @@ def _write(out: Path, splits: dict[str, list[ChatExample]], meta: dict[str, Any]
         raise
 
 
-def _write_split(folder: Path, split: str, examples: list[ChatExample]) -> None:
-    lengths = [len(e.ids) for e in examples]
+def write_sequences(
+    folder: Path, split: str, sequences: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> None:
+    """``split``'s ``(ids, mask)`` sequences back to back: ``S.ids.npy`` (uint32),
+    ``S.mask.npy`` (uint8) and ``S.offsets.npy`` (int64, the ``n + 1`` starts)."""
+    lengths = [len(ids) for ids, _ in sequences]
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64)
-    ids = [e.ids.astype(np.uint32) for e in examples]
-    mask = [e.mask.astype(np.uint8) for e in examples]
+    ids = [ids.astype(np.uint32) for ids, _ in sequences]
+    mask = [mask.astype(np.uint8) for _, mask in sequences]
     np.save(folder / f"{split}.ids.npy", np.concatenate(ids) if ids else np.zeros(0, np.uint32))
     np.save(folder / f"{split}.mask.npy", np.concatenate(mask) if mask else np.zeros(0, np.uint8))
     np.save(folder / f"{split}.offsets.npy", offsets)
-    if split == "val":
-        lines = (json.dumps({"messages": e.messages}, ensure_ascii=False) + "\n" for e in examples)
-        (folder / "val.messages.jsonl").write_text("".join(lines), encoding="utf-8")
+
+
+def write_jsonl(path: Path, records: Iterable[Any]) -> None:
+    """``records`` as JSON lines (UTF-8, not escaped)."""
+    lines = (json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    path.write_text("".join(lines), encoding="utf-8")
 
 
 def show_examples(
@@ -369,18 +450,32 @@ def show_examples(
     """Print the first ``count`` examples kept: the decoded text with the trained text
     marked (green on a terminal, else between ⟦ and ⟧), then ``{"ids", "mask"}`` as one
     JSON line."""
-    color = stream.isatty()
-    legend = "\x1b[32mgreen\x1b[0m" if color else f"between {_OPEN} and {_CLOSE}"
-    stream.write(f"trained tokens are shown {legend}\n")
+    color = show_legend(stream)
     shown = [(e, s) for e, s in zip(examples, splits, strict=True) if not e.dropped][:count]
     for example, split in shown:
         stream.write(
             f"--- {example.where} ({split}): {len(example.ids)} tokens,"
             f" {int(example.mask.sum())} trained{', truncated' if example.truncated else ''}\n"
         )
-        stream.write(marked_text(tokenizer, example.ids, example.mask, color) + "\n")
-        record = {"ids": example.ids.tolist(), "mask": example.mask.astype(int).tolist()}
-        stream.write(json.dumps(record) + "\n")
+        show_sequence(stream, tokenizer, example.ids, example.mask, color)
+
+
+def show_legend(stream: IO[str]) -> bool:
+    """Print how trained text is marked: in green if ``stream`` is a terminal (returned),
+    else between ⟦ and ⟧."""
+    color = stream.isatty()
+    legend = "\x1b[32mgreen\x1b[0m" if color else f"between {_OPEN} and {_CLOSE}"
+    stream.write(f"trained tokens are shown {legend}\n")
+    return color
+
+
+def show_sequence(
+    stream: IO[str], tokenizer: Any, ids: np.ndarray, mask: np.ndarray, color: bool, label: str = ""
+) -> None:
+    """Print ``label`` and the text of ``ids``, its trained text marked (`marked_text`),
+    then ``{"ids", "mask"}`` as one JSON line."""
+    stream.write(f"{label}{marked_text(tokenizer, ids, mask, color)}\n")
+    stream.write(json.dumps({"ids": ids.tolist(), "mask": mask.astype(int).tolist()}) + "\n")
 
 
 def marked_text(tokenizer: Any, ids: np.ndarray, mask: np.ndarray, color: bool = False) -> str:

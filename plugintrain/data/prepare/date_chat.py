@@ -38,16 +38,25 @@ STYLES = (
 """How the dates are written in the questions."""
 
 
-def date_conversations(count: int, seed: int = 0) -> list[dict]:
-    """``count`` conversations ``{"messages": [user, assistant]}``, distinct dates from
-    1900 to 2099, each written in a style drawn from :data:`STYLES`."""
+def _dated_questions(count: int, seed: int) -> list[tuple[datetime.date, str, str]]:
+    """``count`` distinct dates from 1900 to 2099, each with the question asking for it and
+    the date as the question writes it (a style drawn from :data:`STYLES`)."""
     rng = random.Random(seed)
     first, span = datetime.date(1900, 1, 1).toordinal(), 200 * 365
     days = rng.sample(range(span), count)
-    rows = []
+    out = []
     for day in days:
         date = datetime.date.fromordinal(first + day)
-        question = QUESTION.format(date=rng.choice(STYLES)(date))
+        written = rng.choice(STYLES)(date)
+        out.append((date, QUESTION.format(date=written), written))
+    return out
+
+
+def date_conversations(count: int, seed: int = 0) -> list[dict]:
+    """``count`` conversations ``{"messages": [user, assistant]}``, distinct dates from
+    1900 to 2099, each written in a style drawn from :data:`STYLES`."""
+    rows = []
+    for date, question, _ in _dated_questions(count, seed):
         messages = [
             {"role": "user", "content": question},
             {"role": "assistant", "content": date.isoformat()},
@@ -56,12 +65,61 @@ def date_conversations(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def _swapped_or_off(date: datetime.date, rng: random.Random) -> str:
+    """ISO with month and day swapped where that is another date, else a day off."""
+    if date.day <= 12 and date.day != date.month:
+        return f"{date.year:04d}-{date.day:02d}-{date.month:02d}"
+    return _day_off(date, rng)
+
+
+def _day_off(date: datetime.date, rng: random.Random) -> str:
+    return (date + datetime.timedelta(days=rng.choice((-1, 1)))).isoformat()
+
+
+NEAR_MISSES = (
+    lambda date, written, rng: written,
+    lambda date, written, rng: f"The date in ISO 8601 format is {date.isoformat()}.",
+    lambda date, written, rng: _swapped_or_off(date, rng),
+    lambda date, written, rng: _day_off(date, rng),
+)
+"""The DPO demo's rejected answers: the date restated in the question's style, a sentence
+around the right ISO date, ISO with month and day swapped, the date a day off."""
+
+
+def date_pairs(count: int, seed: int = 0) -> list[dict]:
+    """``count`` preference pairs (conversational layout) of the questions
+    :func:`date_conversations` asks for the same ``seed`` (the same dates, so a date held
+    out of one is held out of the other): chosen the ISO date alone, rejected one of
+    :data:`NEAR_MISSES`, drawn per pair from ``seed``."""
+    rng = random.Random(f"near misses {seed}")
+    rows = []
+    for date, question, written in _dated_questions(count, seed):
+        rejected = rng.choice(NEAR_MISSES)(date, written, rng)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": question}],
+                "chosen": [{"role": "assistant", "content": date.isoformat()}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
+    return rows
+
+
 def write_date_conversations(path: Path, count: int, seed: int = 0) -> Path:
     """Write :func:`date_conversations` as JSON lines to ``path`` (replaced atomically)."""
+    return _write_rows(path, date_conversations(count, seed))
+
+
+def write_date_pairs(path: Path, count: int, seed: int = 0) -> Path:
+    """Write :func:`date_pairs` as JSON lines to ``path`` (replaced atomically)."""
+    return _write_rows(path, date_pairs(count, seed))
+
+
+def _write_rows(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.partial")
     with staging.open("w") as out:
-        for row in date_conversations(count, seed):
+        for row in rows:
             out.write(json.dumps(row) + "\n")
     staging.replace(path)
     return path

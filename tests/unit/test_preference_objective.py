@@ -1,0 +1,210 @@
+"""The preference objectives' parts against plain PyTorch (TRL's own losses are compared in
+test_preference_trl.py): answer log-probs and their gradient, conservative DPO's formula,
+the reference packed into the targets, and the reference as the base with adapters off."""
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugintrain.core.preference_batch import pack_reference, unpack_reference
+from plugintrain.model_zoo import preference
+from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX
+from plugintrain.model_zoo.lora import LoRASpec, adapters_disabled, init_adapters, inject
+from plugintrain.model_zoo.preference import PreferenceLM, PreferenceLoss, sequence_logps
+from plugintrain.model_zoo.transformer import Transformer
+
+
+def _targets(n: int, t: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.randint(0, vocab, (n, t), generator=g)
+    targets[:, : t // 3] = IGNORE_INDEX  # the prompt
+    targets[1::2, -2:] = IGNORE_INDEX  # padding after shorter answers
+    return targets
+
+
+def _torch_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    picked = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(min=0)[..., None])
+    return (picked.squeeze(-1) * (targets != IGNORE_INDEX)).sum(-1)
+
+
+@pytest.mark.parametrize("chunk_elements", [None, 3 * 40])  # one chunk; 3 tokens a chunk
+def test_sequence_logps_equals_log_softmax(monkeypatch, chunk_elements):
+    if chunk_elements is not None:
+        monkeypatch.setattr(preference, "CHUNK_ELEMENTS", chunk_elements)
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10, 40, requires_grad=True)
+    targets = _targets(6, 10, 40)
+    ours = sequence_logps(logits, targets)
+    reference = _torch_logps(logits, targets)
+    torch.testing.assert_close(ours.double(), reference, rtol=1e-6, atol=1e-5)
+    upstream = torch.randn(6)
+    (grad,) = torch.autograd.grad(ours, logits, upstream)
+    (expected,) = torch.autograd.grad(reference, logits, upstream.double())
+    torch.testing.assert_close(grad.double(), expected.double(), rtol=1e-5, atol=1e-7)
+    assert grad[targets == IGNORE_INDEX].abs().max() == 0  # nothing flows to the prompt
+
+
+def test_sequence_logps_bf16_gradient_in_logits_dtype():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8, 32, dtype=torch.bfloat16, requires_grad=True)
+    targets = _targets(4, 8, 32)
+    sequence_logps(logits, targets).sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    expected = torch.autograd.functional.jacobian(
+        lambda z: _torch_logps(z, targets).sum(), logits.detach().double()
+    )
+    torch.testing.assert_close(logits.grad.double(), expected, rtol=0, atol=1e-2)
+
+
+def test_pack_reference_round_trips_every_float64():
+    targets = _targets(4, 5, 9)
+    reference = torch.tensor(
+        [-12.5, float("nan"), -1e-300, -3.0000000000000004], dtype=torch.float64
+    )
+    packed = pack_reference(targets, reference)
+    assert packed.dtype == torch.int64 and packed.shape == (4, 6)
+    back_targets, back = unpack_reference(packed[2:])  # a pipeline micro-batch's slice
+    assert torch.equal(back_targets, targets[2:])
+    assert back[0].item() == -1e-300 and back[1].item() == -3.0000000000000004
+    assert math.isnan(unpack_reference(packed)[1][1].item())
+
+
+def test_conservative_dpo_is_the_label_smoothed_sigmoid():
+    torch.manual_seed(0)
+    logps, reference = torch.randn(8) * 5, torch.randn(8) * 5
+    counts = torch.full((8,), 3)
+    beta, e = 0.2, 0.1
+    loss, stats = PreferenceLoss("sigmoid", beta, label_smoothing=e)(logps, counts, reference)
+    h = beta * ((logps[0::2] - reference[0::2]) - (logps[1::2] - reference[1::2]))
+    expected = (-(1 - e) * F.logsigmoid(h) - e * F.logsigmoid(-h)).mean()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(stats["reward_chosen"], beta * (logps[0::2] - reference[0::2]))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"objective": "kto"}, "objective='kto': use one of sigmoid, ipo, simpo, orpo"),
+        ({"beta": 0.0}, "beta=0.0: must be > 0"),
+        ({"label_smoothing": 0.5}, "label_smoothing=0.5: must be in [0, 0.5)"),
+        ({"objective": "ipo", "label_smoothing": 0.1}, "use it with objective: sigmoid"),
+        ({"objective": "orpo", "sft_weight": 1.0}, "ORPO has its own NLL term"),
+        ({"reference": "copy"}, "reference='copy': use one of auto, data, adapters_off"),
+    ],
+)
+def test_bad_settings_are_one_line(settings, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PreferenceLM(config="llama3-debug", **settings)
+
+
+def test_adapters_off_is_the_base_model():
+    """The reference of a LoRA run: the model with its adapters switched off gives the
+    logits of the same model without adapters (an independent copy, never injected)."""
+    torch.manual_seed(0)
+    base = Transformer(preference_config())
+    adapted = Transformer(preference_config())
+    adapted.load_state_dict(base.state_dict())
+    inject(adapted, LoRASpec(r=4, alpha=8, target_modules=("*.attention.*", "*.feed_forward.*")))
+    init_adapters(adapted, seed=1)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # B != 0: the adapters change the output
+    x = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = base(x)
+        assert not torch.allclose(adapted(x), expected)
+        with adapters_disabled(adapted):
+            off = adapted(x)
+        after = adapted(x)
+    torch.testing.assert_close(off, expected, rtol=0, atol=0)
+    assert not torch.allclose(after, expected)  # switched back on
+
+
+def preference_config():
+    from plugintrain.model_zoo.config import TransformerConfig
+
+    return TransformerConfig.from_name("llama3-debug", vocab_size=64, n_layer=2)
+
+
+def test_adapters_off_under_qlora_is_the_quantized_base():
+    """QLoRA's reference: the adapters switched off over an NF4 base compute what a plain
+    model computes with each adapted weight quantized and dequantized (fake_quantize,
+    bitsandbytes' bytes: tests/unit/test_quantization.py)."""
+    from plugintrain.model_zoo.lora import quantize_frozen
+    from plugintrain.model_zoo.quantization import fake_quantize
+
+    torch.manual_seed(0)
+    config = preference_config()
+    base = Transformer(config)
+    adapted = Transformer(config)
+    adapted.load_state_dict(base.state_dict())
+    spec = LoRASpec(r=4, alpha=8, target_modules=("*.attention.*", "*.feed_forward.*"))
+    inject(adapted, spec)
+    kept = quantize_frozen(adapted, "nf4")
+    init_adapters(adapted, seed=1)
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "output" and name not in kept:
+                module.weight.copy_(fake_quantize(module.weight, "nf4"))
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+        x = torch.randint(0, 64, (2, 7))
+        with adapters_disabled(adapted):
+            off = adapted(x)
+    torch.testing.assert_close(off, base(x), rtol=1e-5, atol=1e-5)
+
+
+class _Data:
+    """A datamodule's attributes the launch checks read."""
+
+    def __init__(self, preference: bool = True, has_reference: bool = False) -> None:
+        self.preference, self.has_reference, self.batch_size = preference, has_reference, 4
+
+
+def _trainer(*callbacks: object) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(callbacks=list(callbacks), strategy=object())
+
+
+@pytest.mark.parametrize(
+    ("options", "what"),
+    [
+        ({"trainable": ["*.norm"]}, "LoRA trainable: ['*.norm']"),
+        ({"bias": "lora_only"}, "LoRA bias: lora_only"),
+        ({"adapter": "runs/sft/checkpoints"}, "LoRA adapter: runs/sft/checkpoints"),
+    ],
+)
+def test_adapters_off_is_refused_where_it_is_not_the_reference(options, what):
+    """LoRA that trains more than its adapters, or starts from an adapter: switching the
+    adapters off would not give the starting model. Refused before launch, naming the way
+    out; with the reference in the data, accepted."""
+    from plugintrain.callbacks import LoRA
+
+    module = PreferenceLM(config="llama3-debug")
+    callback = LoRA(r=4, target_modules=["*.attention.wq"], **options)
+    with pytest.raises(ValueError, match=re.escape(what)) as error:
+        module.check_launch(_trainer(callback), _Data())
+    assert "--reference WEIGHTS" in str(error.value) and "reference: data" in str(error.value)
+    module.check_launch(_trainer(callback), _Data(has_reference=True))  # the data's: fine
+    PreferenceLM(config="llama3-debug", objective="simpo").check_launch(
+        _trainer(callback), _Data()
+    )  # reference-free: fine
+
+
+def test_each_model_refuses_the_other_data_before_launch():
+    from plugintrain.callbacks import LoRA
+    from plugintrain.model_zoo import CausalLM
+
+    lora = LoRA(r=4, target_modules=["*.attention.wq"])
+    with pytest.raises(ValueError, match="holds preference pairs, which CausalLM does not"):
+        CausalLM(config="llama3-debug").check_launch(_trainer(lora), _Data())
+    with pytest.raises(ValueError, match="PreferenceLM trains on preference pairs, and"):
+        PreferenceLM(config="llama3-debug").check_launch(_trainer(lora), _Data(False))
+    with pytest.raises(ValueError, match="this objective needs reference log-probs"):
+        PreferenceLM(config="llama3-debug").check_launch(_trainer(), _Data())
