@@ -420,6 +420,9 @@ def _preference_main(args: Namespace) -> int:
 
     def prepare() -> dict[str, Any]:
         reference = _reference(args.reference, args.reference_batch_size)
+        problem = _reference_problem(args.reference, args.tokenizer, args.seq_len)
+        if problem is not None:
+            raise ValueError(problem)
         return prepare_preference(
             args.inputs, args.out, options, args.overwrite, args.show, reference
         )
@@ -440,6 +443,30 @@ def _reference(weights: str | None, batch_size: int) -> Reference | None:
     from plugintrain.model_zoo.preference import reference_logps
 
     return Reference(weights, functools.partial(reference_logps, weights, batch_size=batch_size))
+
+
+def _reference_problem(weights: str | None, tokenizer: str, seq_len: int) -> str | None:
+    """What keeps ``--reference`` from scoring the pairs, known from its config alone
+    (read before any row is encoded): a smaller vocabulary than the tokenizer's, or a
+    shorter context than ``--seq_len``. Unreadable weights raise their own one line."""
+    if weights is None:
+        return None
+    from plugintrain.data.tokenizers.registry import get_tokenizer
+    from plugintrain.model_zoo.pretrained import resolve_config
+
+    config = resolve_config(None, weights)
+    vocab = get_tokenizer(tokenizer).vocab_size
+    if config.vocab_size < vocab:
+        return (
+            f"--reference {weights}: its vocabulary of {config.vocab_size} is smaller than"
+            f" {tokenizer}'s {vocab} tokens; pass the weights the pairs' tokenizer belongs to"
+        )
+    if config.block_size < seq_len:
+        return (
+            f"--reference {weights}: it reads at most {config.block_size} tokens, fewer than"
+            f" --seq_len {seq_len}; pass --seq_len {config.block_size}"
+        )
+    return None
 
 
 def dates(

@@ -217,7 +217,7 @@ def test_truncation_cuts_the_prompt_s_start_then_the_answers_ends_and_counts(tmp
         {"prompt": "short", "chosen": "yes", "rejected": "no"},  # fits
         {"prompt": LONG_PROMPT, "chosen": "yes", "rejected": "no"},  # prompt cut
         {"prompt": LONG_PROMPT, "chosen": LONG_ANSWER, "rejected": "no"},  # both cut
-        {"prompt": "short", "chosen": LONG_ANSWER * 3, "rejected": LONG_ANSWER * 3 + "!"},
+        {"prompt": "short", "chosen": LONG_ANSWER * 3, "rejected": "No: " + LONG_ANSWER * 3},
     ]
     path = _write(tmp_path / "in.jsonl", rows)
     full, cut = tmp_path / "full", tmp_path / "cut"
@@ -424,6 +424,11 @@ def _fake_reference_logps(weights, sequences, batch_size=8):
 def fake_reference(monkeypatch):
     preference = pytest.importorskip("plugintrain.model_zoo.preference")
     monkeypatch.setattr(preference, "reference_logps", _fake_reference_logps)
+    from plugintrain.tools import prepare
+
+    # "fake-weights" has no config to check against the tokenizer: the check is tested
+    # on real weights (test_a_reference_that_cannot_score_the_pairs_is_refused_first).
+    monkeypatch.setattr(prepare, "_reference_problem", lambda *args: None)
 
 
 def test_reference_logps_are_stored_per_sequence_and_batched(fake_reference, tmp_path):
@@ -680,3 +685,34 @@ def test_a_prompts_pairs_are_held_out_together(tmp_path):
     with (tmp_path / "out" / "val.pairs.jsonl").open() as lines:
         prompts = collections.Counter(json.loads(line)["prompt"][-1]["content"] for line in lines)
     assert prompts and set(prompts.values()) == {2}
+
+
+def test_answers_the_cut_makes_equal_are_dropped(tmp_path):
+    """Two answers that differ only past the cut would train nothing and count as a wrong
+    preference: the pair is dropped, by that reason."""
+    path = tmp_path / "pairs.jsonl"
+    same = " the same words" * 30
+    rows = [
+        {"prompt": "Say it.", "chosen": same + " yes", "rejected": same + " no"},
+        {"prompt": "Say it.", "chosen": "Short yes.", "rejected": "Short no."},
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert _run([path], tmp_path / "out", "--seq_len", "64", "--val_fraction", "0") == 0
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert _dropped_by_reason(meta) == {"same_after_truncation": 1}
+    assert meta["splits"]["train"]["pairs"] == 1
+
+
+def test_a_reference_that_cannot_score_the_pairs_is_refused_first(tmp_path, capsys):
+    """--reference whose vocabulary is smaller than the tokenizer's: one line, exit 2,
+    before any row is encoded or anything written."""
+    from _hf_models import random_hf_llama
+
+    base = random_hf_llama(tmp_path / "base", 256, seed=0)
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi.", "chosen": "Hello.", "rejected": "Go."}) + "\n")
+    out = tmp_path / "out"
+    assert _run([path], out, "--reference", str(base)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--reference {base}: its vocabulary of 256 is smaller than gpt2's" in line
+    assert not out.exists() and not any(tmp_path.glob("out*partial"))

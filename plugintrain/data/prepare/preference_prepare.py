@@ -319,6 +319,9 @@ def _fit(pair: EncodedPair, options: PreferencePrepareOptions) -> EncodedPair:
         return pair
     pair.answers_truncated = sum(len(ids) > room for ids, _ in pair.answers)
     pair.answers = [(ids[:room], mask[:room]) for ids, mask in pair.answers]
+    (chosen, _), (rejected, _) = pair.answers
+    if np.array_equal(chosen, rejected):  # the answers differed only past the cut
+        pair.dropped = "same_after_truncation"
     return pair
 
 
