@@ -183,11 +183,7 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         if stage == "train":
             if scored is not None:
                 self._count_targets(scored, y.numel())
-            seq_len = x.size(1)
-            if seq_len not in self._model_flops:
-                self._model_flops[seq_len] = self.config.flops_per_token(seq_len)
-            per_token = self._model_flops[seq_len] + self.flops_per_token_adjustment
-            self.flops_per_batch = per_token * x.numel()
+            self.count_flops(x)
             # This rank's batch, as Lightning logs a step's loss: ppl and bpb of the same one.
             self.log("train_loss", loss, prog_bar=True)
             self.log("train_ppl", loss.detach().exp())
@@ -198,6 +194,16 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
         for name, metric in self.eval_metrics[stage].update(loss, y).items():
             self.log(f"{stage}_{name}", metric)
+
+    def count_flops(self, x: torch.Tensor, extra_forwards: int = 0) -> None:
+        """Set :attr:`flops_per_batch` for training inputs ``x`` ``(B, T)``, with
+        ``extra_forwards`` no-grad forwards (a third of a training step's FLOPs each)."""
+        seq_len = x.size(1)
+        if seq_len not in self._model_flops:
+            self._model_flops[seq_len] = self.config.flops_per_token(seq_len)
+        per_token = self._model_flops[seq_len] + self.flops_per_token_adjustment
+        per_token += extra_forwards * (self._model_flops[seq_len] // 3)
+        self.flops_per_batch = per_token * x.numel()
 
     def _count_targets(self, scored: torch.Tensor, positions: int) -> None:
         counts = torch.stack((scored.double(), scored.new_full((), positions, dtype=torch.float64)))
@@ -217,9 +223,8 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         return counts
 
     def check_launch(self, trainer: L.Trainer, datamodule: L.LightningDataModule | None) -> None:
-        """Refuse, in one line, data this model does not train on: preference pairs (a
-        :class:`~plugintrain.model_zoo.PreferenceLM`'s). ``plugintrain fit`` calls it
-        before any process is launched; :meth:`setup` again (the Python API)."""
+        """Refuse preference pairs (a ``PreferenceLM``'s data) in one line: ``plugintrain
+        fit`` calls it before any process is launched, :meth:`setup` again."""
         if getattr(datamodule, "preference", False):
             raise ValueError(
                 f"{type(datamodule).__name__} holds preference pairs, which"

@@ -462,14 +462,7 @@ class PreferenceLM(CausalLM):
         stats, self._stats = self._stats, {}
         sync = stage != "train"
         if stage == "train":
-            x = batch[0]
-            seq_len = x.size(1)
-            if seq_len not in self._model_flops:
-                self._model_flops[seq_len] = self.config.flops_per_token(seq_len)
-            per_token = self._model_flops[seq_len] + self.flops_per_token_adjustment
-            if self._reference_forward:
-                per_token += self._model_flops[seq_len] // 3  # one more forward
-            self.flops_per_batch = per_token * x.numel()
+            self.count_flops(batch[0], extra_forwards=int(self._reference_forward))
         self.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=sync)
         if self._received is None and not stats:
             return
@@ -593,9 +586,9 @@ def _lora_callback(trainer: Any) -> Any:
 
 
 def _has_adapters(module: torch.nn.Module | None) -> bool:
-    from plugintrain.model_zoo.lora import LoRALinear
+    from plugintrain.model_zoo.lora import adapted_layers
 
-    return module is not None and any(isinstance(m, LoRALinear) for m in module.modules())
+    return module is not None and next(adapted_layers(module), None) is not None
 
 
 # ---------------------------------------------------------------------------------------
