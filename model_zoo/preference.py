@@ -32,9 +32,13 @@ model with its adapters switched off (:func:`plugintrain.model_zoo.lora.adapters
 one copy of the weights either way.
 
 Loss weighting: the preference loss is the mean over the micro-batch's pairs (every
-micro-batch holds the same number), so gradient accumulation and data parallelism give
-the mean over the global batch's pairs; the NLL terms are the mean over the micro-batch's
-chosen answer tokens, as TRL computes them.
+micro-batch holds the same number), so gradient accumulation, data parallelism and a
+pipeline's micro-batches give the mean over the optimizer step's pairs. The NLL terms are
+token-weighted over the whole step, as the chat loss is: a micro-batch of ``P`` pairs adds
+its chosen tokens' summed NLL times ``N / (P * S)``, with ``N`` the step's pairs and ``S``
+its chosen tokens (the totals ``PreferenceDataModule`` puts in every batch), which the
+strategies' mean over micro-batches turns into the step's sum over ``S``. On one batch
+that is the mean over its chosen tokens, TRL's.
 """
 
 from __future__ import annotations
@@ -53,7 +57,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from plugintrain.core.preference_batch import pack_reference, row_targets, unpack_reference
+from plugintrain.core.preference_batch import (
+    row_targets,
+    step_totals,
+    unpack_reference,
+    with_reference,
+)
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.cross_entropy import CHUNK_ELEMENTS, IGNORE_INDEX
 from plugintrain.model_zoo.lm import CausalLM
@@ -185,6 +194,7 @@ class PreferenceLoss:
         counts: Tensor,
         reference: Tensor | None,
         row_nll: tuple[Tensor, Tensor] | None = None,
+        nll_denominator: float | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The mean loss over the pairs, and its detached statistics.
 
@@ -195,23 +205,26 @@ class PreferenceLoss:
             reference: ``(2P,)`` the reference's, alike; None for reference-free objectives.
             row_nll: ``orpo``: the summed log-prob of the chosen rows' every token (prompt
                 and answer) and their number; None: their answers'.
+            nll_denominator: What the NLL term's summed token NLL is divided by (the
+                module docstring's ``P * S / N``); None: the chosen tokens counted here,
+                the mean over them.
 
         Returns:
             The loss and the statistics: per pair ``reward_chosen``/``reward_rejected``
             (``beta`` times the log-ratio; SimPO and ORPO: times the mean token log-prob,
             as TRL defines them), ``logp_chosen``/``logp_rejected`` (the answers' summed
             log-probs; SimPO and ORPO: their mean token log-probs, as TRL's), and the
-            scalar loss parts ``loss_pref`` and ``loss_nll``.
+            scalar loss parts ``loss_pref`` and ``loss_nll`` (the mean token NLL of these
+            pairs' chosen rows, whatever ``nll_denominator``).
         """
         chosen, rejected = logps[0::2], logps[1::2]
         sizes = counts[0::2].clamp(min=1), counts[1::2].clamp(min=1)
-        nll_part, weight = None, 1.0
+        nll, weight = None, 1.0
         if self.objective in REFERENCE_FREE:
             scores = chosen / sizes[0], rejected / sizes[1]  # the mean token log-probs
             pref = self._reference_free(*scores)
             if self.objective == "orpo":
-                total_logp, tokens = row_nll if row_nll is not None else (chosen, counts[0::2])
-                nll_part = _mean_nll(total_logp, tokens)
+                nll = row_nll if row_nll is not None else (chosen.sum(), counts[0::2].sum())
             logs = scores  # TRL's log-probs of these objectives are the mean token ones
         else:
             assert reference is not None
@@ -221,9 +234,22 @@ class PreferenceLoss:
             )  # the log-ratios over the reference
             pref = self._against_reference(*scores, *sizes)
             if self.sft_weight:
-                nll_part, weight = _mean_nll(chosen, counts[0::2]), self.sft_weight
+                nll, weight = (chosen.sum(), counts[0::2].sum()), self.sft_weight
             logs = chosen, rejected
-        total = pref.mean() if nll_part is None else pref.mean() + weight * nll_part
+        total = pref.mean()
+        if nll is not None:
+            denominator = nll[1].clamp(min=1) if nll_denominator is None else nll_denominator
+            total = total - weight * nll[0] / denominator
+        return total, self._statistics(scores, logs, pref, nll)
+
+    def _statistics(
+        self,
+        scores: tuple[Tensor, Tensor],
+        logs: tuple[Tensor, Tensor],
+        pref: Tensor,
+        nll: tuple[Tensor, Tensor] | None,
+    ) -> dict[str, Tensor]:
+        """:meth:`__call__`'s statistics, detached."""
         stats = {
             "reward_chosen": self.beta * scores[0].detach(),
             "reward_rejected": self.beta * scores[1].detach(),
@@ -231,9 +257,9 @@ class PreferenceLoss:
             "logp_rejected": logs[1].detach(),
             "loss_pref": pref.detach().mean(),
         }
-        if nll_part is not None:
-            stats["loss_nll"] = nll_part.detach()
-        return total, stats
+        if nll is not None:
+            stats["loss_nll"] = -nll[0].detach() / nll[1].clamp(min=1)
+        return stats
 
     def _reference_free(self, mean_c: Tensor, mean_r: Tensor) -> Tensor:
         """SimPO's or ORPO's preference term per pair, from the mean token log-probs."""
@@ -256,9 +282,15 @@ class PreferenceLoss:
         return -(1 - e) * F.logsigmoid(h) - (e * F.logsigmoid(-h) if e else 0)
 
 
-def _mean_nll(logps: Tensor, counts: Tensor) -> Tensor:
-    """The mean token NLL of rows whose summed log-probs are ``logps``."""
-    return -logps.sum() / counts.sum().clamp(min=1)
+def _nll_denominator(
+    totals: dict[str, int] | None, pairs: int, preference: PreferenceLoss
+) -> float | None:
+    """``P * S / N`` (the module docstring) for a micro-batch of ``pairs`` pairs of a step
+    with ``totals``; None without totals (the micro-batch's own mean)."""
+    if totals is None:
+        return None
+    tokens = totals["row_targets" if preference.objective == "orpo" else "answer_targets"]
+    return pairs * max(tokens, 1) / totals["pairs"]
 
 
 def _log1mexp(x: Tensor) -> Tensor:
@@ -429,11 +461,11 @@ class PreferenceLM(CausalLM):
             # loss_parallel.
             with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
                 reference = sequence_logps(logits, targets)
-        return x, pack_reference(packed[:, :-1], reference.double())
+        return x, with_reference(packed, reference.double())
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
         """The preference loss of ``logits`` ``(2P, T, V)`` against packed targets
-        ``(2P, T + 1)`` (:func:`pack_reference`); keeps the statistics for
+        ``(2P, T + 4)`` (:mod:`plugintrain.core.preference_batch`); keeps the statistics for
         :meth:`record_loss` (a pipeline calls this on its last stage, micro-batch by
         micro-batch)."""
         scored, reference = unpack_reference(targets)
@@ -449,7 +481,8 @@ class PreferenceLM(CausalLM):
             chosen_rows = row_targets(targets)
             chosen_rows[1::2] = IGNORE_INDEX
             row_nll = (sequence_logps(logits, chosen_rows).sum(), (chosen_rows >= 0).sum())
-        loss, stats = self.preference(logps, counts, reference, row_nll)
+        denominator = _nll_denominator(step_totals(targets), len(logps) // 2, self.preference)
+        loss, stats = self.preference(logps, counts, reference, row_nll, denominator)
         for name, value in stats.items():
             self._stats.setdefault(name, []).append(value)
         return loss
@@ -595,21 +628,28 @@ def _has_adapters(module: torch.nn.Module | None) -> bool:
 # Reference log-probs ahead of training
 
 
-def reference_logps(
-    weights: str, sequences: list[tuple[np.ndarray, np.ndarray]], batch_size: int = 8
-) -> np.ndarray:
-    """The log-probability the model of ``weights`` gives each sequence's scored tokens
-    (:func:`scored_logps`), for ``plugintrain prepare preference --reference``.
+class ReferenceScorer:
+    """The reference model of ``plugintrain prepare preference --reference``: the
+    log-probability it gives each sequence's scored tokens (:func:`scored_logps`). Loaded
+    at the first call and kept for every shard after; on the GPU where there is one.
 
     Args:
         weights: What ``CausalLM(weights=...)`` takes (a pretrained name, a Hugging Face
             directory, a GGUF or llm.c file, a checkpoint).
-        sequences: ``(ids, mask)`` pairs, as :func:`scored_logps` takes them.
         batch_size: Sequences per forward.
     """
-    from plugintrain.model_zoo.generation import PretrainedLM
 
-    return scored_logps(PretrainedLM(weights=weights).eval(), sequences, batch_size)
+    def __init__(self, weights: str, batch_size: int = 8) -> None:
+        self.weights, self.batch_size = weights, batch_size
+        self.model: torch.nn.Module | None = None
+
+    def __call__(self, sequences: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        if self.model is None:
+            from plugintrain.model_zoo.generation import PretrainedLM
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.model = PretrainedLM(weights=self.weights).eval().to(device)
+        return scored_logps(self.model, sequences, self.batch_size)
 
 
 @torch.no_grad()

@@ -3,11 +3,12 @@ from your own documents and conversations; one command per dataset (:data:`PREPA
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import sys
 from argparse import Namespace
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -335,6 +336,9 @@ def _prepare_encoded(
         meta = prepare()
     except (FileExistsError, ValueError) as error:  # the row, template and input errors
         raise ConfigError(str(error)) from None
+    if "task" in meta:  # one task of several: its shards done, the output not written
+        print(json.dumps(meta, indent=2))
+        return 0
     if not meta["splits"]["val"][f"{unit}s"]:
         sys.stderr.write(
             f"prepare {command}: no {unit} was held out, so {args.out} has no validation split;"
@@ -362,15 +366,15 @@ def preference(
     workers: int = 1,
     reference: str | None = None,
     reference_batch_size: int = 8,
+    shard_pairs: int = 4096,
+    num_tasks: int = 1,
+    task_index: int = 0,
     split: str = "train",
     hf_config: str | None = None,
     overwrite: bool = False,
 ) -> int:
-    """Preference pairs (prompt, chosen, rejected) as token ids with answer masks (DPO).
-
-    Encodes each pair's prompt with its chosen and with its rejected answer through the
-    chat template into two sequences (the mask on the final answer only), ids, masks and
-    offsets per split, val.pairs.jsonl and meta.json.
+    """Preference pairs (prompt, chosen, rejected) as token ids with answer masks (DPO):
+    two sequences a pair through the chat template, the mask on the answer.
 
     Args:
         inputs: .jsonl .json .parquet files (also .gz/.zst), folders, globs, datasets
@@ -379,27 +383,27 @@ def preference(
         out: output folder
         format: the rows' layout: conversational (prompt messages, chosen/rejected
             assistant messages or whole conversations), text (three strings) or hh
-            (Anthropic HH: the prompt is the texts' start through the last shared
-            'Assistant:'); default: told by the first row
+            (Anthropic HH: the prompt runs through the last shared 'Assistant:');
+            default: told by the first row
         template: a Jinja chat template file, or plain (for a base model); default: the
             tokenizer's own
         seq_len: most tokens of a sequence (prompt and answer)
         max_prompt: most prompt tokens kept when a pair is cut (default: seq_len // 2)
-        truncate: a pair whose prompt and longer answer exceed --seq_len: right: cut the
-            prompt's start to --max_prompt tokens, then each answer's end to fit (a pair
-            with no answer token left is dropped); drop: drop it; error: refuse the input
-        val_fraction: share of pairs held out for validation, by a seeded hash
-            (default 0.01)
+        truncate: a pair over --seq_len: right: cut the prompt's start to --max_prompt
+            tokens, then the answers' ends; drop: drop it; error: refuse the input
+        val_fraction: share of pairs held out, by a seeded hash (default 0.01)
         val_examples: hold out exactly this many pairs instead
         seed: seed of the held-out split
-        show: print this many encoded pairs, the trained text marked, and their ids and
-            mask
+        show: print this many encoded pairs, the trained text marked
         workers: processes encoding the rows (same output)
-        reference: weights of the reference model (a pretrained name such as
-            smollm2-135m, a Hugging Face folder, a .gguf file or a checkpoint): store each
-            sequence's log-prob of its answer under it (S.ref_logps.npy), so training holds
-            one model
+        reference: weights of the reference model (smollm2-135m, a Hugging Face folder, a
+            .gguf file, a checkpoint): store each sequence's answer log-prob under it
         reference_batch_size: sequences the reference scores at once
+        shard_pairs: rows a shard holds; finished shards are kept in OUT.progress, and
+            the same command resumes from them (the output is the same at any size)
+        num_tasks: share the shards among this many tasks sharing OUT.progress; then run
+            the command without --num_tasks to write OUT
+        task_index: this task's index
         split: split of an hf:NAME dataset
         hf_config: configuration of an hf:NAME dataset
         overwrite: rebuild an existing preference folder
@@ -415,7 +419,10 @@ def _preference_main(args: Namespace) -> int:
     )
 
     options = PreferencePrepareOptions(
-        **_encoding_options(args), max_prompt=args.max_prompt, workers=args.workers
+        **_encoding_options(args),
+        max_prompt=args.max_prompt,
+        workers=args.workers,
+        shard_pairs=args.shard_pairs,
     )
 
     def prepare() -> dict[str, Any]:
@@ -423,11 +430,40 @@ def _preference_main(args: Namespace) -> int:
         problem = _reference_problem(args.reference, args.tokenizer, args.seq_len)
         if problem is not None:
             raise ValueError(problem)
+        task = (args.num_tasks, args.task_index)
         return prepare_preference(
-            args.inputs, args.out, options, args.overwrite, args.show, reference
+            args.inputs, args.out, options, args.overwrite, args.show, reference, *task
         )
 
-    return _prepare_encoded(args, "preference", "pair", prepare)
+    try:
+        with _sigterm_interrupts():
+            return _prepare_encoded(args, "preference", "pair", prepare)
+    except KeyboardInterrupt:
+        sys.stderr.write(
+            f"\nplugintrain prepare preference: interrupted; the finished shards are kept in"
+            f" {args.out}.progress: rerun the same command to go on\n"
+        )
+        return 130
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the run as Ctrl-C does (the worker pool shut down, the finished shards
+    kept), rather than killing it where it stands."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _reference(weights: str | None, batch_size: int) -> Reference | None:
@@ -437,12 +473,10 @@ def _reference(weights: str | None, batch_size: int) -> Reference | None:
         raise ValueError(f"--reference_batch_size {batch_size}: must be >= 1")
     if weights is None:
         return None
-    import functools
-
     from plugintrain.data.prepare.preference_prepare import Reference
-    from plugintrain.model_zoo.preference import reference_logps
+    from plugintrain.model_zoo.preference import ReferenceScorer
 
-    return Reference(weights, functools.partial(reference_logps, weights, batch_size=batch_size))
+    return Reference(weights, ReferenceScorer(weights, batch_size))
 
 
 def _reference_problem(weights: str | None, tokenizer: str, seq_len: int) -> str | None:

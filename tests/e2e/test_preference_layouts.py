@@ -19,12 +19,11 @@ Two more paths run against their own one process: the reference as the same mode
 its adapters switched off (``reference: adapters_off``, a no-grad forward inside the step)
 on a folder without reference log-probs, under ``zero2``, FSDP2 with full recomputation
 (the recomputed forward is the policy's, the adapters on) and tp2; and ORPO
-(reference-free, its NLL term scoring the prompt too) under the pipeline. ORPO's NLL term
-is the mean over a micro-batch's chosen tokens (as TRL computes it), so a layout that
-splits the batch gives the mean of the parts' token means: ORPO's pairs have chosen rows
-of one length (10 tokens), for which that is the one process's token mean. (With the DPO
-pairs' varied lengths the pipeline's ORPO losses were 6e-5 off at step 0 and 4e-4 by step
-3.) The pipeline refuses ``reference: adapters_off`` in one line.
+(reference-free, its NLL term scoring the prompt too) under ``zero2`` and the pipeline, on
+the same pairs of varied lengths: its NLL term is the mean over the whole step's chosen
+tokens however the step is split (the step totals in every batch; with each part's own
+token mean instead, the pipeline's ORPO losses were 6e-5 off at step 0 and 4e-4 by step
+3). The pipeline refuses ``reference: adapters_off`` in one line.
 
 Each command runs forked from the fork server (``_cli.run_cli``), the 2-rank fits as
 torchrun starts its ranks; each rank's losses come from files a small callback of this
@@ -82,19 +81,20 @@ class Case:
 
     objective: str
     reference: str  # PreferenceLM's: data, adapters_off, auto (reference-free)
-    folder: str  # the setup fixture's: "ref" (with reference log-probs), "plain", "even"
+    folder: str  # the setup fixture's: "ref" (with reference log-probs) or "plain"
 
 
 CASES = {
     "dpo": Case("sigmoid", "data", "ref"),
     "dpo_adapters_off": Case("sigmoid", "adapters_off", "plain"),
-    "orpo": Case("orpo", "auto", "even"),
+    "orpo": Case("orpo", "auto", "plain"),
 }
 RUNS = [
     *(("dpo", layout) for layout in LAYOUTS),
     ("dpo_adapters_off", "zero2"),
     ("dpo_adapters_off", "fsdp2_recompute"),
     ("dpo_adapters_off", "tp2"),
+    ("orpo", "zero2"),
     ("orpo", "pipeline"),
 ]
 
@@ -125,17 +125,14 @@ class LossProbe(Callback):
 # The preference folder, as `plugintrain prepare preference` writes it
 
 
-def _random_pairs(
-    rng: np.random.Generator, count: int, chosen_row: int | None = None
-) -> list[tuple[np.ndarray, ...]]:
+def _random_pairs(rng: np.random.Generator, count: int) -> list[tuple[np.ndarray, ...]]:
     """``count`` pairs ``(prompt, chosen, rejected)`` of random ids (0 is the pad/eos): a
-    prompt of 4-8 tokens, answers of 2-6; with ``chosen_row``, each chosen answer as long as
-    makes prompt + chosen that many tokens."""
+    prompt of 4-8 tokens, answers of 2-6."""
     pairs = []
     for _ in range(count):
         prompt = rng.integers(1, VOCAB, rng.integers(4, 9))
-        chosen_len = rng.integers(2, 7) if chosen_row is None else chosen_row - len(prompt)
-        chosen, rejected = (rng.integers(1, VOCAB, n) for n in (chosen_len, rng.integers(2, 7)))
+        lengths = rng.integers(2, 7), rng.integers(2, 7)
+        chosen, rejected = (rng.integers(1, VOCAB, n) for n in lengths)
         pairs.append((prompt, chosen, rejected))
     return pairs
 
@@ -196,7 +193,7 @@ def _write_folder(
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The random base; one set of pairs written with (``ref``) and without (``plain``)
-    reference log-probs; and ORPO's (``even``), every chosen row 10 tokens long."""
+    reference log-probs."""
     root = tmp_path_factory.mktemp("preference_layouts")
     base = random_hf_llama(root / "base", VOCAB, seed=0)
     rng = np.random.default_rng(0)
@@ -205,9 +202,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     splits = {"train": _random_pairs(rng, STEPS * PAIRS), "val": _random_pairs(rng, 3)}
     _write_folder(root / "ref", splits, base)
     _write_folder(root / "plain", splits, None)
-    even = {split: _random_pairs(rng, len(pairs), 10) for split, pairs in splits.items()}
-    _write_folder(root / "even", even, None)
-    return {"base": base, "root": root, **{name: root / name for name in ("ref", "plain", "even")}}
+    return {"base": base, "root": root, **{name: root / name for name in ("ref", "plain")}}
 
 
 # ---------------------------------------------------------------------------------------

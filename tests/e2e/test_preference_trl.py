@@ -28,7 +28,7 @@ import pytest
 import torch
 from reference.trl_preference import trl_step, trl_train
 
-from plugintrain.core.preference_batch import encode_targets, pack_reference
+from plugintrain.core.preference_batch import encode_targets, pack_batch
 from plugintrain.model_zoo.llama3 import hf_names
 from plugintrain.model_zoo.lora import LoRASpec, adapted_layers, inject
 from plugintrain.model_zoo.preference import PreferenceLM
@@ -93,7 +93,14 @@ def _batch(pairs: list[dict], reference: torch.Tensor | None = None) -> tuple[to
         y[r, : len(ids) - 1] = torch.from_numpy(encode_targets(_np(ids), _np(answer)))
     if reference is None:
         reference = torch.full((len(rows),), float("nan"), dtype=torch.float64)
-    return x, pack_reference(y, reference)
+    # The batch is its step: its pairs, chosen answers' tokens and chosen rows' tokens but one.
+    chosen = [(p["prompt_ids"], p["chosen_ids"]) for p in pairs]
+    totals = [
+        len(pairs),
+        sum(len(a) for _, a in chosen),
+        sum(len(p) + len(a) - 1 for p, a in chosen),
+    ]
+    return x, pack_batch(y, reference, torch.tensor(totals))
 
 
 def _np(values: list) -> object:

@@ -414,16 +414,28 @@ def test_show_prints_both_sequences_with_the_answers_marked(tmp_path, capsys):
 # -- reference log-probs ----------------------------------------------------------------
 
 
-def _fake_reference_logps(weights, sequences, batch_size=8):
-    """A stand-in for the model zoo's scorer: minus the sum of the masked ids / 1000."""
-    assert weights == "fake-weights" and batch_size == 3
-    return np.array([-(ids[mask].sum()) / 1000 for ids, mask in sequences])
+class _FakeScorer:
+    """A stand-in for the model zoo's reference scorer: minus the sum of the masked ids /
+    1000; counts the models it loaded (one a run, however many shards)."""
+
+    loads = 0
+
+    def __init__(self, weights, batch_size=8):
+        assert weights == "fake-weights" and batch_size == 3
+        self.loaded = False
+
+    def __call__(self, sequences):
+        if not self.loaded:
+            self.loaded = True
+            type(self).loads += 1
+        return np.array([-(ids[mask].sum()) / 1000 for ids, mask in sequences])
 
 
 @pytest.fixture
 def fake_reference(monkeypatch):
     preference = pytest.importorskip("plugintrain.model_zoo.preference")
-    monkeypatch.setattr(preference, "reference_logps", _fake_reference_logps)
+    monkeypatch.setattr(preference, "ReferenceScorer", _FakeScorer)
+    monkeypatch.setattr(_FakeScorer, "loads", 0)
     from plugintrain.tools import prepare
 
     # "fake-weights" has no config to check against the tokenizer: the check is tested
@@ -455,7 +467,9 @@ def test_reference_logps_are_stored_per_sequence_and_batched(fake_reference, tmp
 # -- the data module --------------------------------------------------------------------
 
 
-def _folder(root: Path, pairs: list, ref: list[float] | None = None, seq_len: int = 16):
+def _folder(
+    root: Path, pairs: list, ref: list[float] | None = None, seq_len: int = 16, pad_id=50256
+):
     """A folder as ``prepare preference`` writes it: pairs of ((ids, mask), (ids, mask))."""
     root.mkdir(parents=True, exist_ok=True)
     sequences = [s for pair in pairs for s in pair]
@@ -476,8 +490,8 @@ def _folder(root: Path, pairs: list, ref: list[float] | None = None, seq_len: in
         "tokenizer": "gpt2",
         "vocab_size": 50257,
         "settings": {"seq_len": seq_len},
-        "eos_id": 50256,
-        "pad_id": 50256,
+        "eos_id": pad_id,
+        "pad_id": pad_id,
         "reference": None if ref is None else {"weights": "w"},
     }
     (root / "meta.json").write_text(json.dumps(meta))
@@ -508,11 +522,14 @@ def test_the_batch_contract(tmp_path):
     bits = np.array(ref, np.float64).view(np.int64).tolist()
     # Answer tokens' targets are their ids, prompt (and other unscored) tokens' -101 - id,
     # padding IGNORE_INDEX.
+    # Then the batch's own totals (a validation batch is its own step): 2 pairs, their
+    # chosen answers' 2 + 2 targets, their chosen rows' 3 + 2.
+    step = [2, 4, 5]
     assert y.tolist() == [
-        [-103, 3, 4, I, I, I, bits[0]],
-        [-103, 5, I, I, I, I, bits[1]],
-        [7, 8, I, I, I, I, bits[2]],
-        [7, 9, 9, 9, -110, I, bits[3]],
+        [-103, 3, 4, I, I, I, bits[0], *step],
+        [-103, 5, I, I, I, I, bits[1], *step],
+        [7, 8, I, I, I, I, bits[2], *step],
+        [7, 9, 9, 9, -110, I, bits[3], *step],
     ]
     # T is the longest row rounded up to pad_multiple, but never over seq_len.
     capped = PreferenceDataModule(str(folder), batch_size=1, shuffle=False, seq_len=7)
@@ -522,17 +539,27 @@ def test_the_batch_contract(tmp_path):
 
 
 def test_pack_and_unpack_reference_round_trip():
-    from plugintrain.core.preference_batch import pack_reference, unpack_reference
+    from plugintrain.core.preference_batch import (
+        pack_batch,
+        step_totals,
+        unpack_reference,
+        with_reference,
+    )
 
     targets = torch.tensor([[1, -100], [3, 4], [5, 6]])
     ref = np.array([-3.25, np.nan, -1e-12])
-    packed = pack_reference(targets, ref)
-    assert packed.shape == (3, 3) and packed.dtype == torch.int64
+    packed = pack_batch(targets, ref, torch.tensor([6, 40, 70]))
+    assert packed.shape == (3, 6) and packed.dtype == torch.int64
     assert packed[:, 2].tolist() == ref.view(np.int64).tolist()  # numpy's own bits
     back, got = unpack_reference(packed)
     assert torch.equal(back, targets) and got.dtype == torch.float64
     assert np.array_equal(got.numpy(), ref, equal_nan=True)
     assert np.isnan(unpack_reference(packed[1:2])[1].item())
+    assert step_totals(packed[2:]) == {"pairs": 6, "answer_targets": 40, "row_targets": 70}
+    assert step_totals(pack_batch(targets, ref)) is None  # zeros: not known
+    replaced = with_reference(packed, torch.tensor([-1.0, -2.0, -3.0]))
+    assert unpack_reference(replaced)[1].tolist() == [-1.0, -2.0, -3.0]
+    assert torch.equal(replaced[:, [0, 1, 3, 4, 5]], packed[:, [0, 1, 3, 4, 5]])
 
 
 def test_a_folder_without_reference_batches_nan(tmp_path):
@@ -586,6 +613,44 @@ def test_pairs_stay_whole_on_every_rank_and_resume_under_another_layout(tmp_path
     assert state == {"epoch": 0, "position": 12}  # 3 steps x 2 ranks x 2 pairs
     continued = _steps(folder, batch=1, replicas=4, state=state, processed=3)
     assert continued == uninterrupted[3:]
+
+
+def test_every_batch_carries_its_step_s_totals_on_every_rank(tmp_path):
+    """A step is each rank's ``accumulate`` micro-batches: every batch of it carries the
+    step's pairs and its chosen rows' answer and row targets, summed here from the pairs
+    the ranks actually drew (pair n: a 1 + n % 3 token prompt, a 1 + n % 4 token chosen
+    answer)."""
+    from plugintrain.core.preference_batch import step_totals
+    from plugintrain.data import PreferenceDataModule
+
+    def pair(n):
+        prompt = [n] + [5] * (n % 3)
+        answer = [1000 + n] + [7] * (n % 4)
+        mask = [0] * len(prompt) + [1] * len(answer)
+        return (prompt + answer, mask), ([*prompt, 2000 + n], mask[: len(prompt) + 1])
+
+    folder = _folder(tmp_path / "pref", [pair(n) for n in range(PAIRS + 3)], seq_len=16)
+    for replicas, batch, accumulate, position in [(1, 4, 1, 0), (2, 2, 3, 0), (3, 1, 2, 6)]:
+        drawn = {}  # (step, rank) -> the step's totals each batch carried, its pairs
+        for rank in range(replicas):
+            data = PreferenceDataModule(str(folder), batch_size=batch, seed=5, pad_multiple=1)
+            data.trainer = _fake_trainer(replicas, rank)
+            data.trainer.accumulate_grad_batches = accumulate
+            data.setup("fit")
+            data.load_state_dict({"epoch": 0, "position": position})
+            for index, (x, y) in enumerate(data.train_dataloader()):
+                totals, names = step_totals(y), x[::2, 0].tolist()
+                seen = drawn.setdefault(index // accumulate, {}).setdefault(rank, [])
+                seen.append((tuple(totals.values()), names))
+        for step, ranks in drawn.items():
+            assert len(ranks) == replicas
+            carried = {t for batches in ranks.values() for t, _ in batches}
+            names = [n for batches in ranks.values() for _, b in batches for n in b]
+            answers = sum(1 + n % 4 for n in names)  # every answer token is a target
+            rows = sum((1 + n % 3) + (1 + n % 4) - 1 for n in names)  # all tokens but one
+            assert carried == {(len(names), answers, rows)}, (replicas, step)
+        used = sum(len(b) for steps in drawn.values() for r in steps.values() for _, b in r)
+        assert used == (PAIRS + 3 - position) // (replicas * batch) * replicas * batch
 
 
 def test_datamodules_refuse_each_other_s_folders(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from plugintrain.core.preference_batch import pack_reference, unpack_reference
+from plugintrain.core.preference_batch import pack_batch, unpack_reference
 from plugintrain.model_zoo import preference
 from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX
 from plugintrain.model_zoo.lora import LoRASpec, adapters_disabled, init_adapters, inject
@@ -59,13 +59,13 @@ def test_sequence_logps_bf16_gradient_in_logits_dtype():
     torch.testing.assert_close(logits.grad.double(), expected, rtol=0, atol=1e-2)
 
 
-def test_pack_reference_round_trips_every_float64():
+def test_pack_batch_round_trips_every_float64():
     targets = _targets(4, 5, 9)
     reference = torch.tensor(
         [-12.5, float("nan"), -1e-300, -3.0000000000000004], dtype=torch.float64
     )
-    packed = pack_reference(targets, reference)
-    assert packed.dtype == torch.int64 and packed.shape == (4, 6)
+    packed = pack_batch(targets, reference)
+    assert packed.dtype == torch.int64 and packed.shape == (4, 9)
     back_targets, back = unpack_reference(packed[2:])  # a pipeline micro-batch's slice
     assert torch.equal(back_targets, targets[2:])
     assert back[0].item() == -1e-300 and back[1].item() == -3.0000000000000004
@@ -208,3 +208,102 @@ def test_each_model_refuses_the_other_data_before_launch():
         PreferenceLM(config="llama3-debug").check_launch(_trainer(lora), _Data(False))
     with pytest.raises(ValueError, match="this objective needs reference log-probs"):
         PreferenceLM(config="llama3-debug").check_launch(_trainer(), _Data())
+
+
+# -- token weighting over a step --------------------------------------------------------
+
+
+class _Grads:
+    """A callback keeping the weights at the start and the gradients the optimizer steps
+    with (after accumulation and every rescale)."""
+
+    def __new__(cls):
+        from lightning.pytorch.callbacks import Callback
+
+        class Grads(Callback):
+            def on_fit_start(self, trainer, module):
+                self.start = {n: p.clone() for n, p in module.model.state_dict().items()}
+
+            def on_before_optimizer_step(self, trainer, module, optimizer):
+                named = module.model.named_parameters()
+                self.grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
+
+        return Grads()
+
+
+def _varied_folder(root, count: int):
+    """``count`` pairs of vocab-64 ids whose prompts, chosen and rejected answers all differ
+    in length (so a micro-batch's token mean is not the step's), with reference log-probs."""
+    import numpy as np
+    from test_preference_data import _folder
+
+    rng = np.random.default_rng(4)
+    sequences, refs = [], []
+    for n in range(count):
+        prompt = rng.integers(1, 64, 1 + n % 3).tolist()
+        for answer in (rng.integers(1, 64, 1 + (3 * n) % 7), rng.integers(1, 64, 1 + n % 4)):
+            sequences.append((prompt + answer.tolist(), [0] * len(prompt) + [1] * len(answer)))
+            refs.append(-3.0 * len(answer) - 0.1 * n)
+    _folder(root, list(zip(sequences[0::2], sequences[1::2], strict=True)), refs, pad_id=0)
+    return sequences, refs
+
+
+def _one_step(folder, batch: int, accumulate: int, **objective):
+    import lightning.pytorch as pl
+
+    from plugintrain.data import PreferenceDataModule
+
+    pl.seed_everything(0)
+    module = PreferenceLM(
+        config=preference_config(), warmup_steps=0, min_lr_ratio=1.0, reference="data",
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.0), **objective,
+    )  # fmt: skip
+    grads = _Grads()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, accumulate_grad_batches=accumulate, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[grads],
+    )  # fmt: skip
+    data = PreferenceDataModule(str(folder), batch_size=batch, shuffle=False, pad_multiple=1)
+    trainer.fit(module, datamodule=data)
+    return grads
+
+
+def test_the_sft_term_is_token_weighted_over_the_step(tmp_path):
+    """DPO + SFT, 2 micro-batches of 2 pairs accumulated: the gradient the optimizer steps
+    with is plain PyTorch's of the step's loss, the mean over its 4 pairs of DPO's term plus
+    the chosen answers' summed NLL over all their tokens (not the mean of the micro-batches'
+    token means), within 1e-5."""
+    beta, weight = 0.1, 0.7
+    sequences, refs = _varied_folder(tmp_path / "pref", 8)
+    run = _one_step(tmp_path / "pref", 2, 2, beta=beta, sft_weight=weight)
+    model = Transformer(preference_config())
+    model.load_state_dict(run.start)
+    logps = []
+    for ids, mask in sequences[:8]:  # the first 4 pairs: the first step, unshuffled
+        ids, mask = torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)
+        logits = model(ids[None, :-1])[0].double()
+        picked = torch.log_softmax(logits, -1).gather(-1, ids[1:, None]).squeeze(-1)
+        logps.append((picked * mask[1:]).sum())
+    logps, refs = torch.stack(logps), torch.tensor(refs[:8], dtype=torch.float64)
+    ratios = logps - refs
+    dpo = -F.logsigmoid(beta * (ratios[0::2] - ratios[1::2])).mean()
+    chosen_tokens = sum(sum(mask[1:]) for _, mask in sequences[0:8:2])
+    loss = dpo - weight * logps[0::2].sum() / chosen_tokens
+    loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(run.grads[name], param.grad.float(), rtol=1e-5, atol=1e-7)
+
+
+def test_orpo_accumulated_is_orpo_on_the_whole_step(tmp_path):
+    """ORPO (its NLL over the chosen rows' every token): 2 micro-batches of 2 pairs
+    accumulated step with the gradient of one batch of the same 4 pairs (TRL's loss on it:
+    tests/e2e/test_preference_trl.py) within 1e-5; before the step totals they differed."""
+    _varied_folder(tmp_path / "pref", 8)
+    whole = _one_step(tmp_path / "pref", 4, 1, objective="orpo", beta=0.2)
+    parts = _one_step(tmp_path / "pref", 2, 2, objective="orpo", beta=0.2)
+    assert whole.start.keys() == parts.start.keys()
+    assert all(torch.equal(parts.start[name], value) for name, value in whole.start.items())
+    assert whole.grads.keys() == parts.grads.keys() and len(whole.grads) > 10
+    for name, grad in whole.grads.items():
+        torch.testing.assert_close(parts.grads[name], grad, rtol=1e-5, atol=1e-7)

@@ -6,25 +6,36 @@ sharded by data-parallel rank and resumable.
 
 - ``x`` int64 ``(2B, T)``: row ``2i`` pair ``i``'s chosen sequence ``ids[:-1]``, row
   ``2i + 1`` its rejected one, right-padded with ``pad_id``;
-- ``y`` int64 ``(2B, T + 1)``: ``y[:, :T]`` the targets ``ids[1:]`` (an answer token's
+- ``y`` int64 ``(2B, T + 4)``: ``y[:, :T]`` the targets ``ids[1:]`` (an answer token's
   id, ``-101 - id`` on a prompt token, ``IGNORE_INDEX`` on padding); ``y[:, T]`` the
-  row's reference log-prob, its float64 bits (NaN's where the folder has none). The
-  layout and its readers are :mod:`plugintrain.core.preference_batch`'s.
+  row's reference log-prob, its float64 bits (NaN's where the folder has none);
+  ``y[:, T + 1:]`` the totals of the batch's optimizer step (its pairs, its chosen
+  answers' and chosen rows' targets), which make the NLL terms token-weighted over the
+  step. The layout and its readers are :mod:`plugintrain.core.preference_batch`'s.
 
 ``T`` is the batch's longest row rounded up to ``pad_multiple``, at most ``seq_len``. One
 dataset item is one pair, so no sampler, rank or micro-batch split ever parts a pair.
+
+**Step totals.** Ranks are dealt the shuffled order in turn, so one optimizer step (each
+rank's ``accumulate_grad_batches`` micro-batches of ``batch_size`` pairs) is a contiguous
+run of ``ranks * accumulate * batch_size`` pairs of it: every rank's sampler
+(:class:`StepTotalsSampler`) sums the step's targets from the order alone, before its
+first micro-batch is drawn and with no communication, as a token-weighted loss needs
+(Hugging Face's Trainer counts them by fetching the step's batches ahead and all-reducing).
+Validation batches carry their own totals.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from plugintrain.core.preference_batch import encode_targets, pack_reference
+from plugintrain.core.preference_batch import encode_targets, pack_batch
 from plugintrain.data.datamodules.chat_datamodule import (  # a chat folder's arrays, checks
     IGNORE_INDEX,
     ChatExamples,
@@ -33,7 +44,7 @@ from plugintrain.data.datamodules.chat_datamodule import (  # a chat folder's ar
     check_tokens,
     prepare_hint,
 )
-from plugintrain.data.datamodules.resumable import ResumableBatches
+from plugintrain.data.datamodules.resumable import ResumableBatches, ResumableSampler
 from plugintrain.data.datamodules.token_shards import read_meta
 
 PREFERENCE_KIND = "preference"
@@ -73,8 +84,67 @@ class PreferencePairs(Dataset):
         """Tokens of each sequence, ``(2n,)``."""
         return self.sequences.lengths
 
-    def __getitem__(self, pair: int) -> list[tuple[np.ndarray, np.ndarray, float]]:
-        return [(*self.sequences.example(i), float(self.ref[i])) for i in (2 * pair, 2 * pair + 1)]
+    def target_counts(self, pairs: np.ndarray) -> np.ndarray:
+        """``(answer, row)`` targets of each pair's chosen sequence: ``(len(pairs), 2)``
+        int64 (its answer tokens after the first token, and all its tokens but one)."""
+        chosen = 2 * np.asarray(pairs, dtype=np.int64)
+        starts, ends = self.sequences.offsets[chosen], self.sequences.offsets[chosen + 1]
+        mask = self.sequences.mask
+        answers = [int(mask[a + 1 : b].sum(dtype=np.int64)) for a, b in zip(starts, ends)]
+        return np.stack((np.asarray(answers, dtype=np.int64), ends - starts - 1), axis=1)
+
+    def __getitem__(self, key: int | tuple[int, tuple[int, int, int]]) -> Any:
+        """Pair ``key``'s chosen and rejected ``(ids, mask, reference log-prob)``; a
+        :class:`StepPair` for ``(pair, step totals)`` (:class:`StepTotalsSampler`'s)."""
+        pair, totals = key if isinstance(key, tuple) else (key, None)
+        rows = [(*self.sequences.example(i), float(self.ref[i])) for i in (2 * pair, 2 * pair + 1)]
+        return rows if totals is None else StepPair(rows, totals)
+
+
+class StepPair(NamedTuple):
+    """A training pair and the totals of the optimizer step it is trained in."""
+
+    rows: list[tuple[np.ndarray, np.ndarray, float]]
+    totals: tuple[int, int, int]  # pairs, chosen answer targets, chosen row targets
+
+
+class StepTotalsSampler(ResumableSampler):
+    """The training pairs' sampler: yields ``(pair, step totals)`` (see the module
+    docstring), the totals of the optimizer step the pair is trained in.
+
+    Args:
+        dataset: The training pairs.
+        num_replicas, rank, shuffle, seed: As `ResumableSampler`'s (the tail dropped).
+        batch_size: Pairs per micro-batch (the loader drops a short last one).
+        accumulate: Micro-batches per optimizer step on each rank.
+    """
+
+    def __init__(
+        self,
+        dataset: PreferencePairs,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        batch_size: int,
+        accumulate: int,
+    ) -> None:
+        super().__init__(dataset, num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.pairs, self.batch_size, self.accumulate = dataset, batch_size, accumulate
+
+    def __iter__(self) -> Iterator[tuple[int, tuple[int, int, int]]]:  # type: ignore[override]
+        rest, end = self._rest()
+        ranks = self.num_replicas
+        used = end // ranks // self.batch_size * self.batch_size * ranks  # whole batches
+        step = ranks * self.accumulate * self.batch_size
+        current, totals = -1, (0, 0, 0)
+        for position in range(self.rank, used, ranks):
+            if position // step != current:  # a new step: its run of the order, summed
+                current = position // step
+                run = np.asarray(rest[current * step : min((current + 1) * step, used)])
+                answers, rows = self.pairs.target_counts(run).sum(axis=0).tolist()
+                totals = (len(run), answers, rows)
+            yield int(rest[position]), totals
 
 
 class PairCollator:
@@ -89,7 +159,12 @@ class PairCollator:
     def __init__(self, pad_id: int, seq_len: int, pad_multiple: int) -> None:
         self.pad_id, self.seq_len, self.pad_multiple = pad_id, seq_len, pad_multiple
 
-    def __call__(self, pairs: list[list[tuple[np.ndarray, np.ndarray, float]]]) -> Any:
+    def __call__(self, pairs: list[Any]) -> Any:
+        """``pairs``: `PreferencePairs` items (a pair's two rows, or a `StepPair`)."""
+        totals = {pair.totals for pair in pairs if isinstance(pair, StepPair)}
+        pairs = [pair.rows if isinstance(pair, StepPair) else pair for pair in pairs]
+        if len(totals) > 1:
+            raise ValueError(f"one batch's pairs are of different steps: {sorted(totals)}")
         rows = [row for pair in pairs for row in pair]  # chosen, rejected, chosen, ...
         longest = max(len(ids) - 1 for ids, _, _ in rows)
         T = min(-(-longest // self.pad_multiple) * self.pad_multiple, self.seq_len)
@@ -100,11 +175,20 @@ class PairCollator:
             x[r, :n] = ids[:-1]
             targets[r, :n] = encode_targets(ids, mask)
         ref = np.array([ref for _, _, ref in rows], dtype=np.float64)
-        return torch.from_numpy(x), pack_reference(torch.from_numpy(targets), ref)
+        step = totals.pop() if totals else _own_totals(rows)
+        y = pack_batch(torch.from_numpy(targets), ref, torch.tensor(step))
+        return torch.from_numpy(x), y
+
+
+def _own_totals(rows: list[tuple[np.ndarray, np.ndarray, float]]) -> tuple[int, int, int]:
+    """A batch's own totals: its pairs and its chosen rows' answer and row targets."""
+    chosen = rows[0::2]
+    answers = sum(int(mask[1:].sum()) for _, mask, _ in chosen)
+    return len(chosen), answers, sum(len(ids) - 1 for ids, _, _ in chosen)
 
 
 class PreferenceDataModule(ResumableBatches):
-    """Preference batches ``(x, y)``, ``(2B, T)`` and ``(2B, T + 1)``, from a folder written
+    """Preference batches ``(x, y)``, ``(2B, T)`` and ``(2B, T + 4)``, from a folder written
     by ``plugintrain prepare preference`` (the layout: the module docstring).
 
     Pairs are shuffled every epoch from ``seed``; checkpoints record the position in the
@@ -171,6 +255,16 @@ class PreferenceDataModule(ResumableBatches):
             self.val_set = self._pairs("val")
         if stage == "fit" and self.train_set is None:
             self.train_set = self._pairs("train")
+
+    def _sampler(self, dataset: Dataset, shuffle: bool, drop_last: bool) -> ResumableSampler:
+        if dataset is not self.train_set:
+            return super()._sampler(dataset, shuffle, drop_last)
+        assert isinstance(dataset, PreferencePairs) and drop_last
+        replicas, rank = self._data_parallel_layout()
+        accumulate = getattr(self.trainer, "accumulate_grad_batches", 1) if self.trainer else 1
+        return StepTotalsSampler(
+            dataset, replicas, rank, shuffle, self.seed, self.batch_size, int(accumulate)
+        )
 
     def _pairs(self, split: str) -> PreferencePairs:
         pairs = PreferencePairs(self.data_dir, split)

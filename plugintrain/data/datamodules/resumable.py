@@ -59,13 +59,19 @@ class ResumableSampler(DistributedSampler):
         # exactly DistributedSampler's own split (the same permutation, padding and
         # dropping), skipped ahead in a resumed epoch; held as an array or a range, never
         # as a list of the epoch's indices.
+        rest, end = self._rest()
+        return map(int, rest[self.rank : end : self.num_replicas])
+
+    def _rest(self) -> tuple[Sequence[int], int]:
+        """The group's order from the resume position on, and where its dealt part ends
+        (``end`` a multiple of the ranks: the tail dropped, or padded by repeating)."""
         start = self.resume_position if self.epoch == self.resume_epoch else 0
         rest = self._group_order()[start:]
         end = len(rest) // self.num_replicas * self.num_replicas
         if not self.drop_last and len(rest) > end:
             end += self.num_replicas
             rest = (list(rest) * (end // max(len(rest), 1) + 1))[:end]
-        return map(int, rest[self.rank : end : self.num_replicas])
+        return rest, end
 
     @property
     def _by_epoch(self) -> bool:

@@ -339,17 +339,31 @@ def split_held_out(
 
 def _held_out(examples: list[Keyed], val_fraction: float, val_examples: int | None) -> list[bool]:
     """Whether each example is held out."""
+    keys = np.array([e.key for e in examples], dtype=np.float64)
+    dropped = np.array([bool(e.dropped) for e in examples], dtype=bool)
+    return held_out_mask(keys, dropped, val_fraction, val_examples).tolist()
+
+
+def held_out_mask(
+    keys: np.ndarray, dropped: np.ndarray, val_fraction: float, val_examples: int | None
+) -> np.ndarray:
+    """Whether each example of held-out hashes ``keys`` (`held_out_key`) is held out:
+    ``val_fraction``'s share by hash, or the ``val_examples`` smallest hashes of those not
+    ``dropped`` (and every example of the same hash: copies go together).
+
+    Raises:
+        ChatDataError: If ``val_examples`` leaves no example to train on.
+    """
     if val_examples is None:
-        return [e.key < val_fraction for e in examples]
-    kept = sorted(e.key for e in examples if not e.dropped)
+        return keys < val_fraction
+    kept = np.sort(keys[~dropped])
     if val_examples >= len(kept):
         raise ChatDataError(
             f"--val_examples {val_examples}: the input holds {len(kept)} examples"
             f" (after fitting to --seq_len); hold out fewer (at most {max(len(kept) - 1, 0)},"
             " so that one is left to train on)"
         )
-    threshold = kept[val_examples - 1]
-    return [e.key <= threshold for e in examples]  # copies of one conversation go together
+    return keys <= kept[val_examples - 1]
 
 
 def _meta(

@@ -27,9 +27,16 @@ the input is refused. ``meta.json`` counts per split the pairs whose prompt was 
 (``prompts_truncated``), the answers cut (``answers_truncated``, up to two a pair) and the
 pairs dropped by reason.
 
-**Held-out split**, **all or nothing**: as ``prepare chat`` (a seeded hash of the pair;
-every row read, encoded, checked and scored before ``DIR.partial`` is written and renamed
-into place).
+**Held-out split**: as ``prepare chat``'s, a seeded hash of the pair's prompt, so every
+pair of a prompt lands in one split.
+
+**Shards, resumption, tasks** (:mod:`~plugintrain.data.prepare.preference_shards`): the
+rows are encoded and scored in shards of ``shard_pairs``, kept in ``DIR.progress`` as they
+finish; a rerun of the same settings resumes, ``num_tasks`` tasks share the shards, and the
+run that holds them all assembles ``DIR`` (the split decided then), the same bytes
+however the work was cut. **All or nothing**: ``DIR`` is written as ``DIR.partial`` and
+renamed into place once every shard is encoded, checked and scored; bad input found in a
+fresh run removes ``DIR.progress`` too.
 """
 
 from __future__ import annotations
@@ -37,7 +44,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import sys
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +52,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from plugintrain.core.atomic_files import remove
+from plugintrain.data.prepare import preference_shards as shards
 from plugintrain.data.prepare.chat_formats import ChatDataError, read_chat_rows
 from plugintrain.data.prepare.chat_prepare import (  # a chat folder's checks, split, writers
     SPLITS,
@@ -53,15 +61,13 @@ from plugintrain.data.prepare.chat_prepare import (  # a chat folder's checks, s
     check_options,
     check_out,
     held_out_key,
+    held_out_mask,
     show_legend,
     show_sequence,
-    split_held_out,
     write_folder,
-    write_jsonl,
-    write_sequences,
 )
 from plugintrain.data.prepare.preference_formats import FORMATS, Pair, detect_layout, to_pair
-from plugintrain.data.prepare.text_sources import ReadOptions
+from plugintrain.data.prepare.text_sources import ReadOptions, expand_inputs
 from plugintrain.data.tokenizers.chat_templates import (
     ChatEncoder,
     ChatTemplateError,
@@ -99,6 +105,8 @@ class PreferencePrepareOptions:
         val_examples: Exactly this many pairs held out instead (the smallest hashes).
         seed: Seed of the held-out split's hash.
         workers: Processes encoding rows (1: this one); the output is the same.
+        shard_pairs: Rows a shard holds: the unit of resumption and of tasks (the output
+            is the same whatever it is).
         read: The split and configuration of ``hf:NAME`` inputs.
     """
 
@@ -112,6 +120,7 @@ class PreferencePrepareOptions:
     val_examples: int | None = None
     seed: int = 0
     workers: int = 1
+    shard_pairs: int = 4096
     read: ReadOptions = field(default_factory=ReadOptions)
 
     @property
@@ -163,86 +172,170 @@ def prepare_preference(
     overwrite: bool = False,
     show: int = 0,
     reference: Reference | None = None,
+    num_tasks: int = 1,
+    task_index: int = 0,
 ) -> dict[str, Any]:
-    """Encode the preference pairs of ``inputs`` into a preference folder ``out``.
+    """Encode the preference pairs of ``inputs`` into a preference folder ``out``, shard by
+    shard, resuming a run of the same settings (`preference_shards`).
 
     Args:
         inputs: What `chat_formats.read_chat_rows` reads.
         out: The folder to write.
         options: How to encode, fit and split.
-        overwrite: Replace a preference folder already at ``out``.
+        overwrite: Replace a preference folder already at ``out`` (and a progress folder of
+            other settings).
         show: Print this many encoded pairs, answers marked, to stdout.
         reference: Score every kept sequence with it and write ``S.ref_logps.npy``.
+        num_tasks: Share the shards among this many tasks (runs of the same command).
+        task_index: This task's: the shards ``k`` with ``k % num_tasks == task_index``.
 
     Returns:
-        What ``meta.json`` records.
+        What ``meta.json`` records; with ``num_tasks > 1``, what this task did (``task``,
+        ``shards``, ``encoded``: those it encoded now), ``out`` left to a run without.
 
     Raises:
         ChatDataError, ChatTemplateError, CorpusError: For bad input or settings, before
-            anything is written.
+            ``out`` is touched (a fresh run leaves no progress folder either).
         FileExistsError: If ``out`` holds anything but a preference folder, or one without
-            ``overwrite``.
+            ``overwrite``; or its progress folder is of other settings.
     """
-    _check_options(options)
+    _check_options(options, num_tasks, task_index)
     out = Path(out)
     check_out(out, overwrite, KIND, "preference pairs", FILES)
     tokenizer = get_tokenizer(options.tokenizer)
     encoder = ChatEncoder(tokenizer, load_chat_template(options.tokenizer, options.template))
-    fmt, pairs = encode_rows(inputs, encoder, options, exclude=out)
-    splits, labels = split_held_out(pairs, options.val_fraction, options.val_examples)
-    meta = _meta(inputs, options, encoder, fmt, splits, reference)
-    if show:
-        show_pairs(pairs, labels, tokenizer, show, sys.stdout)
-    scores = {s: _score(reference, _kept(p)) for s, p in splits.items()} if reference else {}
-    write_folder(out, lambda folder: _write_splits(folder, splits, scores), meta)
+    sources = expand_inputs(inputs, exclude=out)
+    settings = _settings(options, encoder, sources, reference)
+    folder, fresh = shards.open_progress(out, settings, overwrite)
+    try:
+        fmt, count, encoded = _encode_shards(
+            inputs, out, encoder, options, reference, folder, (num_tasks, task_index)
+        )
+        if num_tasks > 1:
+            return {
+                "task": [task_index, num_tasks],
+                "shards": count,
+                "encoded": encoded,
+                "progress": str(folder),
+            }
+        meta = _assemble(out, folder, count, options, encoder, fmt, inputs, reference, show)
+    except (ChatDataError, ChatTemplateError, ValueError):
+        if fresh:
+            remove(folder)  # bad input: nothing of this run is left
+        raise
+    remove(folder)
     return meta
 
 
-def _check_options(options: PreferencePrepareOptions) -> None:
+def _check_options(options: PreferencePrepareOptions, num_tasks: int, task_index: int) -> None:
     """The settings that are wrong whatever the input."""
     choices = {
         "--format": (options.format, ("auto", *FORMATS)),
         "--truncate": (options.truncate, TRUNCATE),
     }
     counts = {"--seq_len": options.seq_len, "--max_prompt": options.prompt_limit}
-    counts |= {"--workers": options.workers}
+    counts |= {"--workers": options.workers, "--shard_pairs": options.shard_pairs}
+    counts |= {"--num_tasks": num_tasks}
     check_options(choices, counts, options.val_fraction, options.val_examples)
+    if not 0 <= task_index < num_tasks:
+        raise ChatDataError(
+            f"--task_index {task_index}: must be in [0, {num_tasks}) for --num_tasks {num_tasks}"
+        )
+
+
+def _settings(
+    options: PreferencePrepareOptions,
+    encoder: ChatEncoder,
+    sources: list[Any],
+    reference: Reference | None,
+) -> dict[str, Any]:
+    """What decides the shards' bytes (a resumed run or another task must match it): not
+    the held-out split's settings, which only the assembly reads."""
+    return {
+        "tokenizer": tokenizer_spec(options.tokenizer),
+        "template": encoder.template.sha256,
+        "format": options.format,
+        "seq_len": options.seq_len,
+        "max_prompt": options.prompt_limit,
+        "truncate": options.truncate,
+        "seed": options.seed,
+        "read": [options.read.split, options.read.hub_config, options.read.errors],
+        "shard_pairs": options.shard_pairs,
+        "sources": [[source.label, source.size] for source in sources],
+        "reference": None if reference is None else reference.weights,
+    }
 
 
 # -- encoding ---------------------------------------------------------------------------
 
 
-def encode_rows(
+def _encode_shards(
     inputs: list[str],
+    out: Path,
     encoder: ChatEncoder,
     options: PreferencePrepareOptions,
-    exclude: Path | None = None,
-) -> tuple[str, list[EncodedPair]]:
-    """Every row of ``inputs`` (but those in the folder ``exclude``) encoded and fitted to
-    ``seq_len``, in order (by ``options.workers`` processes), and the row format.
+    reference: Reference | None,
+    folder: Path,
+    task: tuple[int, int],
+) -> tuple[str, int, int]:
+    """Encode, score and write each shard of this task not finished yet (by
+    ``options.workers`` processes); the row format, the input's shards and how many were
+    encoded now.
 
     Raises:
         ChatDataError: For a row that is no pair of the format, or over ``seq_len`` with
             ``truncate="error"``.
         ChatTemplateError: For a pair the template refuses, named by its row.
     """
-    rows = read_chat_rows(inputs, options.read, exclude)
+    rows = read_chat_rows(inputs, options.read, exclude=out)
     first = next(rows, None)
     if first is None:
         raise ChatDataError(f"{' '.join(inputs)}: holds no rows; give preference pairs")
     fmt = detect_layout(first[1], first[0]) if options.format == "auto" else options.format
-    rows = itertools.chain([first], rows)
-    if options.workers == 1:
-        return fmt, [encode_pair(w, to_pair(row, fmt, w), encoder, options) for w, row in rows]
-    chunks = iter(lambda: list(itertools.islice(rows, _CHUNK)), [])
-    with ProcessPoolExecutor(
-        options.workers,
-        mp_context=multiprocessing.get_context("spawn"),  # never fork a threaded one
-        initializer=_start_worker,
-        initargs=(options,),
-    ) as pool:
-        encoded = pool.map(_encode_chunk, chunks, itertools.repeat(fmt))
-        return fmt, [p for chunk in encoded for p in chunk]
+    num_tasks, task_index = task
+    count = encoded = 0
+    with _Encoder(encoder, options, fmt) as encode:
+        for index, part in shards.shards_of(itertools.chain([first], rows), options.shard_pairs):
+            count = index + 1
+            if index % num_tasks != task_index or shards.is_finished(folder, index):
+                continue
+            pairs = encode(part)
+            scores = _score(reference, _kept(pairs)) if reference is not None else None
+            shards.write_shard(folder, index, pairs, scores)
+            encoded += 1
+    return fmt, count, encoded
+
+
+class _Encoder:
+    """Rows -> ``EncodedPair``s, in order: here, or by a pool of ``options.workers``
+    processes (started once, for every shard)."""
+
+    def __init__(self, encoder: ChatEncoder, options: PreferencePrepareOptions, fmt: str) -> None:
+        self.encoder, self.options, self.fmt = encoder, options, fmt
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _Encoder:
+        if self.options.workers > 1:
+            self.pool = ProcessPoolExecutor(
+                self.options.workers,
+                mp_context=multiprocessing.get_context("spawn"),  # never fork a threaded one
+                initializer=_start_worker,
+                initargs=(self.options,),
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def __call__(self, rows: list[tuple[str, Any]]) -> list[EncodedPair]:
+        if self.pool is None:
+            return [
+                encode_pair(w, to_pair(r, self.fmt, w), self.encoder, self.options) for w, r in rows
+            ]
+        chunks = [rows[start : start + _CHUNK] for start in range(0, len(rows), _CHUNK)]
+        encoded = self.pool.map(_encode_chunk, chunks, itertools.repeat(self.fmt))
+        return [pair for chunk in encoded for pair in chunk]
 
 
 _worker: tuple[ChatEncoder, PreferencePrepareOptions] | None = None
@@ -342,15 +435,54 @@ def _score(reference: Reference, pairs: list[EncodedPair]) -> np.ndarray:
     return scores
 
 
+# -- output -----------------------------------------------------------------------------
+
+
+def _assemble(
+    out: Path,
+    folder: Path,
+    count: int,
+    options: PreferencePrepareOptions,
+    encoder: ChatEncoder,
+    fmt: str,
+    inputs: list[str],
+    reference: Reference | None,
+    show: int,
+) -> dict[str, Any]:
+    """The output folder from the ``count`` finished shards of ``folder``: the held-out
+    split over every pair, the splits' arrays, ``val.pairs.jsonl`` and ``meta.json``.
+
+    Raises:
+        ChatDataError: If the split leaves no pair to train on.
+    """
+    unfinished = [k for k in range(count) if not shards.is_finished(folder, k)]
+    if unfinished:  # another task's, still running or stopped
+        raise ChatDataError(
+            f"{folder}: {len(unfinished)} of {count} shards are not encoded (first: shard"
+            f" {unfinished[0]}); run the tasks that own them, or rerun without --num_tasks to"
+            " encode them here"
+        )
+    assembly = shards.Assembly.read(folder, count)
+    held_out = held_out_mask(
+        assembly.keys, assembly.dropped > 0, options.val_fraction, options.val_examples
+    )
+    meta = _meta(inputs, options, encoder, fmt, assembly.counts(held_out), reference)
+    if show:
+        show_pairs(assembly, held_out, encoder.tokenizer, show, sys.stdout)
+    write_folder(
+        out, lambda staging: assembly.write(staging, held_out, reference is not None), meta
+    )
+    return meta
+
+
 def _meta(
     inputs: list[str],
     options: PreferencePrepareOptions,
     encoder: ChatEncoder,
     fmt: str,
-    splits: dict[str, list[EncodedPair]],
+    counts: dict[str, dict[str, Any]],
     reference: Reference | None,
 ) -> dict[str, Any]:
-    counts = {split: _counts(pairs) for split, pairs in splits.items()}
     if not counts["train"]["pairs"]:
         raise ChatDataError(
             f"{' '.join(inputs)}: no pair is left to train on (dropped: over --seq_len, or"
@@ -382,53 +514,21 @@ def _meta(
     }
 
 
-def _counts(pairs: list[EncodedPair]) -> dict[str, Any]:
-    kept = _kept(pairs)
-    sequences = [s for p in kept for s in p.sequences()]
-    return {
-        "pairs": len(kept),
-        "tokens": sum(len(ids) for ids, _ in sequences),
-        "targets": sum(int(mask.sum()) for _, mask in sequences),
-        "prompts_truncated": sum(p.prompt_truncated for p in kept),
-        "answers_truncated": sum(p.answers_truncated for p in kept),
-        "dropped": dict(sorted(Counter(p.dropped for p in pairs if p.dropped).items())),
-    }
-
-
-# -- output -----------------------------------------------------------------------------
-
-
-def _write_splits(
-    folder: Path, splits: dict[str, list[EncodedPair]], scores: dict[str, np.ndarray]
-) -> None:
-    """Each split's sequences of the pairs kept, their reference log-probs (if scored), and
-    the val pairs."""
-    for split, pairs in splits.items():
-        kept = _kept(pairs)
-        write_sequences(folder, split, [s for p in kept for s in p.sequences()])
-        if split in scores:
-            np.save(folder / f"{split}.ref_logps.npy", scores[split])
-        if split == "val":
-            write_jsonl(folder / "val.pairs.jsonl", (_record(p.pair) for p in kept))
-
-
-def _record(pair: Pair) -> dict[str, Any]:
-    """The pair as ``val.pairs.jsonl`` holds it."""
-    return {"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected}
-
-
 def show_pairs(
-    pairs: list[EncodedPair], splits: list[str], tokenizer: Any, count: int, stream: IO[str]
+    assembly: shards.Assembly, held_out: np.ndarray, tokenizer: Any, count: int, stream: IO[str]
 ) -> None:
     """Print the first ``count`` pairs kept: each sequence's decoded text with the trained
     answer marked (see `chat_prepare.marked_text`), then ``{"ids", "mask"}`` as one JSON
     line."""
     color = show_legend(stream)
-    shown = [(p, s) for p, s in zip(pairs, splits, strict=True) if p.dropped is None][:count]
-    for pair, split in shown:
-        cuts = [("prompt truncated", pair.prompt_truncated)]
-        cuts.append((f"{pair.answers_truncated} answers truncated", pair.answers_truncated))
+    for index, where, prompt, sequences in assembly.first_kept(count):
+        split = "val" if held_out[index] else "train"
+        cuts = [("prompt truncated", assembly.prompt_truncated[index])]
+        answers = int(assembly.answers_truncated[index])
+        cuts.append((f"{answers} answers truncated", answers))
         notes = "".join(f", {what}" for what, done in cuts if done)
-        stream.write(f"--- {pair.where} ({split}): prompt {len(pair.prompt)} tokens{notes}\n")
-        for side, (ids, mask) in zip(("chosen", "rejected"), pair.sequences(), strict=True):
-            show_sequence(stream, tokenizer, ids, mask, color, f"{side} ({len(ids)} tokens): ")
+        stream.write(f"--- {where} ({split}): prompt {prompt} tokens{notes}\n")
+        for side, (ids, mask) in zip(("chosen", "rejected"), sequences, strict=True):
+            show_sequence(
+                stream, tokenizer, ids, mask.astype(bool), color, f"{side} ({len(ids)} tokens): "
+            )
