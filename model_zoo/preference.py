@@ -28,8 +28,9 @@ reference, ``(pi_c - ref_c) - (pi_r - ref_r)``:
 
 The reference log-probs come from the data when the folder holds them (``plugintrain
 prepare preference --reference WEIGHTS``), else, under the LoRA callback, from the same
-model with its adapters switched off (:func:`plugintrain.model_zoo.lora.adapters_disabled`):
-one copy of the weights either way.
+model with its adapters switched off (:func:`plugintrain.model_zoo.lora.adapters_disabled`),
+else from a first pass of ``fit`` over the pairs before the first step, cached beside the
+data (:mod:`~plugintrain.model_zoo.reference_pass`): one copy of the weights every way.
 
 Loss weighting: the preference loss is the mean over the micro-batch's pairs (every
 micro-batch holds the same number), so gradient accumulation, data parallelism and a
@@ -71,7 +72,7 @@ OBJECTIVES = ("sigmoid", "ipo", "simpo", "orpo")
 """The preference objectives :class:`PreferenceLM` trains on."""
 REFERENCE_FREE = frozenset({"simpo", "orpo"})
 """Objectives that need no reference model."""
-REFERENCES = ("auto", "data", "adapters_off")
+REFERENCES = ("auto", "data", "adapters_off", "first_pass")
 """Where :class:`PreferenceLM` takes the reference log-probs from."""
 
 
@@ -317,8 +318,10 @@ class PreferenceLM(CausalLM):
         sft_weight: DPO family: the weight of an NLL term on the chosen answers.
         reference: Where the reference log-probs come from: ``data`` (the folder's, from
             ``plugintrain prepare preference --reference``), ``adapters_off`` (this model
-            with its LoRA adapters switched off: LoRA runs only), ``auto`` (the data's
-            when it holds them, else the adapters switched off).
+            with its LoRA adapters switched off: LoRA runs only), ``first_pass`` (this
+            model scores every pair before the first step, cached beside the data:
+            :mod:`~plugintrain.model_zoo.reference_pass`), ``auto`` (the data's when it
+            holds them, else the adapters switched off, else a first pass).
 
     The other arguments are :class:`~plugintrain.model_zoo.CausalLM`'s (``weights``,
     ``optimizer``, the schedule), with no weight decay and 10 warmup steps by default, as
@@ -363,20 +366,21 @@ class PreferenceLM(CausalLM):
         before any process is launched."""
         callback = _lora_callback(trainer)
         problem = self.launch_problem(trainer.strategy, datamodule, callback is not None)
-        if problem is None:
-            problem = _base_reference_problem(self, callback, datamodule)
+        problem = problem or _base_reference_problem(self, callback, datamodule)
         if problem is not None:
             raise ValueError(problem)
 
     def on_fit_start(self) -> None:
         """Before the first step (the model built, adapters in): the checks of
-        :meth:`launch_problem`, where no command line ran them (the Python API)."""
-        trainer = self.trainer
-        problem = self.launch_problem(
-            trainer.strategy, trainer.datamodule, _has_adapters(self.model)
-        ) or _base_reference_problem(self, _lora_callback(trainer), trainer.datamodule)
+        :meth:`launch_problem` (the Python API runs no others); a first pass's scores."""
+        trainer, lora = self.trainer, _has_adapters(self.model)
+        problem = self.launch_problem(trainer.strategy, trainer.datamodule, lora)
+        problem = problem or _base_reference_problem(
+            self, _lora_callback(trainer), trainer.datamodule
+        )
         if problem is not None:
             raise ValueError(problem)
+        _first_pass_if_needed(self, trainer.datamodule, lora)
 
     def launch_problem(self, strategy: Any, datamodule: Any, lora: bool) -> str | None:
         """What keeps this run from starting, in one line, or None: data without pairs, no
@@ -395,6 +399,12 @@ class PreferenceLM(CausalLM):
             source = self._reference_source(in_data, lora)
         except ValueError as error:
             return str(error)
+        if source == "first_pass" and not hasattr(datamodule, "use_reference"):
+            return (
+                f"reference={self.reference!r} scores the pairs in a first pass, which needs"
+                " plugintrain.data.PreferenceDataModule; or prepare the pairs with"
+                " `plugintrain prepare preference ... --reference WEIGHTS`"
+            )
         return _pipeline_problem(strategy, datamodule, source)
 
     def reference_source(self, batch: tuple[Tensor, ...] | None = None) -> str | None:
@@ -412,13 +422,16 @@ class PreferenceLM(CausalLM):
     def _reference_source(self, in_data: bool, lora: bool) -> str | None:
         if not self.preference.needs_reference:
             return None
-        if self.reference == "data" or (self.reference == "auto" and in_data):
+        auto = self.reference == "auto"
+        if self.reference == "data" or (auto and in_data):
             if not in_data:
                 raise ValueError(_NO_REFERENCE)
             return "data"
-        if not lora:
-            raise ValueError(_NO_REFERENCE)
-        return "adapters_off"
+        if self.reference == "adapters_off" or (auto and lora):
+            if not lora:
+                raise ValueError(_NO_REFERENCE)
+            return "adapters_off"
+        return "first_pass"
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -454,14 +467,17 @@ class PreferenceLM(CausalLM):
         with torch.no_grad(), adapters_disabled(self.model):
             self.model.eval()  # the reference without dropout, as TRL's
             try:
-                logits = self(x)
+                reference = self.answer_logps(x, targets)
             finally:
                 self.model.train(training)
-            # Vocabulary-sharded logits (tp): outside loss_fn, so outside the strategy's
-            # loss_parallel.
-            with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
-                reference = sequence_logps(logits, targets)
         return x, with_reference(packed, reference.double())
+
+    def answer_logps(self, x: Tensor, targets: Tensor) -> Tensor:
+        """Each row's summed log-prob of its answer ``targets`` ``(N, T)`` given ``x``,
+        outside :meth:`loss_fn` (tp: under a ``loss_parallel`` of its own)."""
+        logits = self(x)
+        with loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext():
+            return sequence_logps(logits, targets)
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
         """The preference loss of ``logits`` ``(2P, T, V)`` against packed targets
@@ -553,10 +569,10 @@ def _summary(stats: dict[str, list[Tensor]]) -> dict[str, Tensor]:
 
 
 _NO_REFERENCE = (
-    "this objective needs reference log-probs, and the run has none: train with the LoRA"
-    " callback (the reference is the base, adapters off), or prepare the pairs with"
-    " `plugintrain prepare preference ... --reference WEIGHTS` (full fine-tuning), or use a"
-    " reference-free objective (simpo, orpo)"
+    "this objective needs reference log-probs, and the run has none: set reference: auto"
+    " (the adapters switched off under the LoRA callback, else a first pass that scores the"
+    " pairs before training), or prepare the pairs with `plugintrain prepare preference"
+    " ... --reference WEIGHTS`, or use a reference-free objective (simpo, orpo)"
 )
 
 
@@ -567,7 +583,7 @@ def _pipeline_problem(strategy: Any, datamodule: Any, source: str | None) -> str
     dims = getattr(strategy, "parallel_dims", None)
     if options is None or dims is None or dims.pipeline_parallel <= 1:
         return None
-    if source == "adapters_off":
+    if source in ("adapters_off", "first_pass"):
         return (
             "under pipeline parallelism the reference log-probs come from the data:"
             " prepare the pairs with `plugintrain prepare preference ... --reference"
@@ -607,6 +623,16 @@ def _base_reference_problem(module: PreferenceLM, callback: Any, datamodule: Any
         " --reference WEIGHTS` (the starting model's weights, an adapter merged with"
         " `plugintrain export`) and set reference: data, or drop it"
     )
+
+
+def _first_pass_if_needed(module: PreferenceLM, datamodule: Any, lora: bool) -> None:
+    """Score the pairs with the model before the first step, where the reference comes
+    from a first pass (:mod:`~plugintrain.model_zoo.reference_pass`)."""
+    in_data = bool(getattr(datamodule, "has_reference", False))
+    if module._reference_source(in_data, lora) == "first_pass":
+        from plugintrain.model_zoo.reference_pass import first_pass
+
+        datamodule.use_reference(first_pass(module, module.trainer, datamodule))
 
 
 def _lora_callback(trainer: Any) -> Any:

@@ -25,6 +25,11 @@ tokens however the step is split (the step totals in every batch; with each part
 token mean instead, the pipeline's ORPO losses were 6e-5 off at step 0 and 4e-4 by step
 3). The pipeline refuses ``reference: adapters_off`` in one line.
 
+Full fine-tuning with the reference from ``fit``'s own first pass over the pairs (no
+reference in the folder, no LoRA) runs in one process and under ``zero2``, FSDP2 and tp2:
+each layout's losses equal the one process's (whose first is log 2), and the log-probs
+each cached equal ``transformers``' on the same weights.
+
 Each command runs forked from the fork server (``_cli.run_cli``), the 2-rank fits as
 torchrun starts its ranks; each rank's losses come from files a small callback of this
 module writes (TensorBoard holds rank 0's only).
@@ -80,15 +85,18 @@ class Case:
     """One objective and where its reference comes from, run on one folder."""
 
     objective: str
-    reference: str  # PreferenceLM's: data, adapters_off, auto (reference-free)
+    reference: str  # PreferenceLM's: data, adapters_off, first_pass, auto (reference-free)
     folder: str  # the setup fixture's: "ref" (with reference log-probs) or "plain"
+    lora: bool = True  # False: full fine-tuning
 
 
 CASES = {
     "dpo": Case("sigmoid", "data", "ref"),
     "dpo_adapters_off": Case("sigmoid", "adapters_off", "plain"),
     "orpo": Case("orpo", "auto", "plain"),
+    "dpo_first_pass": Case("sigmoid", "first_pass", "plain", lora=False),
 }
+FIRST_PASS_LAYOUTS = ["zero2", "fsdp2", "tp2"]
 RUNS = [
     *(("dpo", layout) for layout in LAYOUTS),
     ("dpo_adapters_off", "zero2"),
@@ -96,6 +104,7 @@ RUNS = [
     ("dpo_adapters_off", "tp2"),
     ("orpo", "zero2"),
     ("orpo", "pipeline"),
+    *(("dpo_first_pass", layout) for layout in FIRST_PASS_LAYOUTS),
 ]
 
 
@@ -211,12 +220,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _recipe(base: Path, data: Path, case: Case) -> dict[str, Any]:
     lora = {"r": 4, "alpha": 8, "target_modules": TARGETS}
+    callbacks = [{"class_path": "plugintrain.callbacks.LoRA", "init_args": lora}]
     return {
         "seed_everything": 7,
         "trainer": {
             "accelerator": "cpu", "devices": 1, "precision": "32-true", "max_steps": STEPS,
             "limit_val_batches": 0, "log_every_n_steps": 1, "enable_progress_bar": False,
-            "callbacks": [{"class_path": "plugintrain.callbacks.LoRA", "init_args": lora}],
+            "callbacks": callbacks if case.lora else [],
             "logger": {
                 "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                 "init_args": {"save_dir": "runs", "name": NAME},
@@ -282,6 +292,8 @@ class Runs:
         if layout is not None:
             extra, dp = _layout_options(layout)
             ranks = 2
+        if CASES[case].reference == "first_pass":  # a cache of the run's own
+            extra.append(f"--data.init_args.reference_cache={out / 'cache'}")
         probe = {"class_path": f"{__name__}.LossProbe", "init_args": {"dirpath": str(out / "p")}}
         run_cli(
             "fit", "--config", str(self.recipe(case)), f"--trainer.logger.init_args.save_dir={out}",
@@ -292,7 +304,7 @@ class Runs:
         per_rank = [{int(step): loss for step, loss in losses.items()} for losses in per_rank]
         logged = logged_losses(out / NAME / "version_0")
         shutil.rmtree(out / NAME / "checkpoints", ignore_errors=True)
-        return {"ranks": per_rank, "logged": logged, "dp": dp}
+        return {"ranks": per_rank, "logged": logged, "dp": dp, "cache": out / "cache"}
 
 
 @pytest.fixture(scope="module")
@@ -304,7 +316,7 @@ def runs(setup: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Ru
 # The checks
 
 
-@pytest.mark.parametrize("case", ["dpo", "dpo_adapters_off"])
+@pytest.mark.parametrize("case", ["dpo", "dpo_adapters_off", "dpo_first_pass"])
 def test_one_process_starts_at_log_2_and_moves(runs: Runs, case: str) -> None:
     """Step 0 (adapters at B = 0, the policy is the reference): DPO's loss is log 2 within
     1e-6 relative, with the reference from transformers (measured: 3e-9, fp32's rounding
@@ -331,6 +343,20 @@ def test_layout_gives_the_one_process_losses(runs: Runs, case: str, layout: str)
     if run["dp"] == 1:
         assert run["logged"] == pytest.approx(expected, rel=1e-5)
         assert all(losses == pytest.approx(expected, rel=1e-5) for losses in run["ranks"])
+
+
+@pytest.mark.parametrize("layout", [None, *FIRST_PASS_LAYOUTS])
+def test_a_first_pass_caches_the_transformers_reference(runs: Runs, layout: str | None) -> None:
+    """Full fine-tuning with no reference in the data: the first pass (its chunks shared
+    by the data-parallel ranks, or scored by tensor-parallel peers together, or through
+    FSDP2's gathers) caches each sequence's log-prob as ``transformers`` computes it on the
+    same weights (the ``ref`` folder's) within 1e-5 relative."""
+    (cache,) = runs("dpo_first_pass", layout)["cache"].iterdir()
+    for split in ("train", "val"):
+        chunks = sorted(cache.glob(f"{split}.*.npy"))
+        got = np.concatenate([np.load(path) for path in chunks])
+        expected = np.load(runs.setup["ref"] / f"{split}.ref_logps.npy")
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 def test_pipeline_refuses_the_adapters_off_reference(runs: Runs, tmp_path: Path) -> None:

@@ -206,7 +206,13 @@ def test_each_model_refuses_the_other_data_before_launch():
         CausalLM(config="llama3-debug").check_launch(_trainer(lora), _Data())
     with pytest.raises(ValueError, match="PreferenceLM trains on preference pairs, and"):
         PreferenceLM(config="llama3-debug").check_launch(_trainer(lora), _Data(False))
-    with pytest.raises(ValueError, match="this objective needs reference log-probs"):
+    for reference in ("data", "adapters_off"):  # neither in the data nor adapters
+        with pytest.raises(ValueError, match="this objective needs reference log-probs"):
+            PreferenceLM(config="llama3-debug", reference=reference).check_launch(
+                _trainer(), _Data()
+            )
+    # auto: a first pass, which reads a PreferenceDataModule's pairs
+    with pytest.raises(ValueError, match=r"first pass, which needs plugintrain\.data\.Preference"):
         PreferenceLM(config="llama3-debug").check_launch(_trainer(), _Data())
 
 
@@ -231,7 +237,7 @@ class _Grads:
         return Grads()
 
 
-def _varied_folder(root, count: int):
+def _varied_folder(root, count: int, with_reference: bool = True):
     """``count`` pairs of vocab-64 ids whose prompts, chosen and rejected answers all differ
     in length (so a micro-batch's token mean is not the step's), with reference log-probs."""
     import numpy as np
@@ -244,7 +250,8 @@ def _varied_folder(root, count: int):
         for answer in (rng.integers(1, 64, 1 + (3 * n) % 7), rng.integers(1, 64, 1 + n % 4)):
             sequences.append((prompt + answer.tolist(), [0] * len(prompt) + [1] * len(answer)))
             refs.append(-3.0 * len(answer) - 0.1 * n)
-    _folder(root, list(zip(sequences[0::2], sequences[1::2], strict=True)), refs, pad_id=0)
+    pairs = list(zip(sequences[0::2], sequences[1::2], strict=True))
+    _folder(root, pairs, refs if with_reference else None, pad_id=0)
     return sequences, refs
 
 
@@ -307,3 +314,92 @@ def test_orpo_accumulated_is_orpo_on_the_whole_step(tmp_path):
     assert whole.grads.keys() == parts.grads.keys() and len(whole.grads) > 10
     for name, grad in whole.grads.items():
         torch.testing.assert_close(parts.grads[name], grad, rtol=1e-5, atol=1e-7)
+
+
+# -- the reference from a first pass ----------------------------------------------------
+
+
+def test_a_first_pass_scores_the_pairs_caches_them_and_resumes(tmp_path, monkeypatch):
+    """Full fine-tuning with no reference in the data: ``fit`` scores every sequence
+    before the first step, with the model as it starts (plain PyTorch's log-probs of the
+    same weights, within 1e-5), so the first step's DPO loss is log 2; a pass stopped
+    after two chunks resumes with the six it lacks, and a second run scores nothing."""
+    import lightning.pytorch as pl
+    import numpy as np
+
+    from plugintrain.data import PreferenceDataModule
+    from plugintrain.model_zoo import reference_pass
+
+    sequences, _ = _varied_folder(tmp_path / "pref", 8, with_reference=False)
+    monkeypatch.setattr(reference_pass, "CHUNK_PAIRS", 2)  # 4 chunks a split
+    written = []
+    real_open = reference_pass.atomic_open
+
+    def counting_open(path, **kwargs):
+        if len(written) == stop_after:
+            raise RuntimeError("stopped")
+        written.append(path.name)
+        return real_open(path, **kwargs)
+
+    monkeypatch.setattr(reference_pass, "atomic_open", counting_open)
+    losses = []
+
+    class FirstLoss(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, *args):
+            losses.append(float(outputs["loss"]))
+
+    def fit():
+        pl.seed_everything(0)
+        module = PreferenceLM(config=preference_config(), warmup_steps=0, beta=0.1)
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+            callbacks=[grads, FirstLoss()],
+        )  # fmt: skip
+        data = PreferenceDataModule(str(tmp_path / "pref"), batch_size=2, pad_multiple=1)
+        trainer.fit(module, datamodule=data)
+        return data
+
+    grads, stop_after = _Grads(), 2
+    with pytest.raises(RuntimeError, match="stopped"):
+        fit()
+    assert written == ["train.000000.npy", "train.000001.npy"] and not losses
+    written.clear()
+    stop_after = None
+    data = fit()
+    assert written == [f"train.00000{k}.npy" for k in (2, 3)] + [
+        f"val.00000{k}.npy" for k in range(4)
+    ]
+    assert losses == [pytest.approx(math.log(2), rel=1e-6)]
+    model = Transformer(preference_config())
+    model.load_state_dict(grads.start)
+    expected = []
+    for ids, mask in sequences:
+        ids, mask = torch.tensor(ids), torch.tensor(mask, dtype=torch.bool)
+        with torch.no_grad():
+            logits = model(ids[None, :-1])[0].double()
+        picked = torch.log_softmax(logits, -1).gather(-1, ids[1:, None]).squeeze(-1)
+        expected.append(float((picked * mask[1:]).sum()))
+    (cache,) = data.reference_cache_root.iterdir()
+    for split in ("train", "val"):
+        got = np.concatenate([np.load(cache / f"{split}.00000{k}.npy") for k in range(4)])
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+    written.clear()
+    fit()
+    assert written == []  # a complete cache: nothing scored again
+
+
+def test_a_pipeline_refuses_a_first_pass():
+    """No pipeline stage holds the whole model for the pass: refused before launch, naming
+    the stored reference."""
+    from types import SimpleNamespace
+
+    strategy = SimpleNamespace(
+        pipeline_options=SimpleNamespace(microbatches=2),
+        parallel_dims=SimpleNamespace(pipeline_parallel=2),
+    )
+    data = _Data()
+    data.use_reference = lambda logps: None  # a PreferenceDataModule's
+    problem = PreferenceLM(config="llama3-debug").launch_problem(strategy, data, lora=False)
+    assert problem is not None and problem.startswith("under pipeline parallelism the")
+    assert "--reference WEIGHTS" in problem

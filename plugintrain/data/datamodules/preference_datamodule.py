@@ -209,6 +209,9 @@ class PreferenceDataModule(ResumableBatches):
         seed: Seed of each epoch's shuffle (``seed + epoch``).
         shuffle: Shuffle the training pairs each epoch.
         num_workers: DataLoader worker processes.
+        reference_cache: Where a run that scores its own reference log-probs keeps them
+            (``PreferenceLM``'s first pass); None: ``DATA_DIR/reference_cache``. Every rank
+            must see it (a shared filesystem across nodes, as for checkpoints).
     """
 
     loss_mask = False
@@ -228,6 +231,7 @@ class PreferenceDataModule(ResumableBatches):
         seed: int = 1337,
         shuffle: bool = True,
         num_workers: int = 0,
+        reference_cache: str | None = None,
     ) -> None:
         super().__init__(batch_size, seed, shuffle, num_workers)
         self.save_hyperparameters()
@@ -242,12 +246,24 @@ class PreferenceDataModule(ResumableBatches):
         check_seq_len(self.seq_len, max_seq_len, "sequence")
         self.pad_id = int(self.meta.get("pad_id", self.meta.get("eos_id", 0)))
         self.collate_fn = PairCollator(self.pad_id, self.seq_len, pad_multiple)
+        root = self.data_dir / "reference_cache" if reference_cache is None else reference_cache
+        self.reference_cache_root = Path(root)
+        self._scored = False
 
     @property
     def has_reference(self) -> bool:
-        """Whether the folder holds reference log-probs (``prepare preference
-        --reference``)."""
-        return self.meta.get("reference") is not None
+        """Whether the batches carry reference log-probs: the folder's (``prepare
+        preference --reference``), or a first pass's (:meth:`use_reference`)."""
+        return self.meta.get("reference") is not None or self._scored
+
+    def use_reference(self, logps: dict[str, np.ndarray]) -> None:
+        """Carry ``logps`` (each split's ``(2n,)`` float64, as ``S.ref_logps.npy``) from
+        now on: a first pass's, which scored the splits :meth:`setup` opened."""
+        for split, values in logps.items():
+            pairs = self.train_set if split == "train" else self.val_set
+            assert pairs is not None and values.shape == pairs.ref.shape, split
+            pairs.ref = values
+        self._scored = True
 
     def setup(self, stage: str) -> None:
         """Open the splits ``stage`` needs."""

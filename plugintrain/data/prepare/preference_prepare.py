@@ -80,9 +80,11 @@ KIND = "preference"
 VERSION = 1
 ARRAYS = ("ids", "mask", "offsets", "ref_logps")
 FILES = frozenset(
-    {"meta.json", "val.pairs.jsonl"} | {f"{s}.{a}.npy" for s in SPLITS for a in ARRAYS}
+    {"meta.json", "val.pairs.jsonl", "reference_cache"}
+    | {f"{s}.{a}.npy" for s in SPLITS for a in ARRAYS}
 )
-"""Every file a preference folder may hold."""
+"""Every file a preference folder may hold (``reference_cache``: a training run's first
+pass, which a rebuilt folder drops)."""
 _CHUNK = 64  # rows a worker encodes per task
 
 Sequences = list[tuple[np.ndarray, np.ndarray]]
