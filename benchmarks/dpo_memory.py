@@ -23,7 +23,12 @@ AdamW (lr 1e-3, betas 0.9/0.999, no weight decay):
   rows as an SFT batch: the 8 rows, their answer tokens the targets;
 * ``full_dpo``: PreferenceLM without adapters, the reference log-probs the folder's
   (``reference: data``): one copy of the weights;
-* ``full_sft``: CausalLM without adapters on the same rows as ``lora_sft``.
+* ``full_sft``: CausalLM without adapters on the same rows as ``lora_sft``;
+* ``full_dpo_pass``: ``full_dpo`` with the reference from ``fit``'s own first pass over
+  the pairs (``reference: first_pass``, cached in a fresh folder each run), whose no-grad
+  forwards count toward the training peak.
+
+``--kinds`` measures some of them (default: all five).
 
 Each measurement runs in a fresh process (``--rounds`` rounds, the order reversed every
 other round); reported per measurement (medians over rounds): the peak resident memory of
@@ -79,8 +84,8 @@ from dpo_vs_trl import (
 )
 from lora_vs_litgpt import RESULT, TARGETS, _initial_adapters, _PluginTrainSteps, _run_worker
 
-KINDS = ("lora_dpo", "lora_sft", "full_dpo", "full_sft")
-PAIRS_OF_KINDS = (("lora_dpo", "lora_sft"), ("full_dpo", "full_sft"))  # (DPO, SFT)
+KINDS = ("lora_dpo", "lora_sft", "full_dpo", "full_sft", "full_dpo_pass")
+PAIRS_OF_KINDS = (("lora_dpo", "lora_sft"), ("full_dpo", "full_sft"), ("full_dpo_pass", "full_sft"))
 BAR = 1.1
 MiB = 2**20
 
@@ -97,11 +102,13 @@ def _worker_command(kind: str, work: Path, assets: dict[str, Path], args: argpar
     ]
 
 
-def _measure(commands: dict[str, list[str]], rounds: int) -> dict[str, list[dict[str, Any]]]:
+def _measure(
+    commands: dict[str, list[str]], rounds: int, kinds: list[str]
+) -> dict[str, list[dict[str, Any]]]:
     """Every kind once a round, each in a fresh process."""
-    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for round_ in range(rounds):
-        for kind in KINDS if round_ % 2 == 0 else KINDS[::-1]:
+        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
             result = _run_worker(commands[kind])
             runs[kind].append(result)
             peak = result["rss_peak_bytes"] / MiB
@@ -122,7 +129,8 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    x_shape = results[KINDS[0]]["batches"][0][0]
+    kinds = list(results)
+    x_shape = results[kinds[0]]["batches"][0][0]
     lines = [
         f"SmolLM2-135M-Instruct, fp32, CPU ({torch.get_num_threads()} threads), {PAIRS} pairs"
         f" a step (batches {x_shape[0]} x {x_shape[1]}), {args.rounds} run(s) each, a run"
@@ -132,7 +140,7 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str
         " | step live peak MiB | trainable | first loss |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for kind in KINDS:
+    for kind in kinds:
         r = results[kind]
         runs = ", ".join(f"{m:.0f}" for m in r["rss_peak_mib_runs"])
         lines.append(
@@ -141,6 +149,8 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str
         )
     lines.append("")
     for dpo, sft in PAIRS_OF_KINDS:
+        if dpo not in results or sft not in results:
+            continue
         rss = results[dpo]["rss_peak_mib"] / results[sft]["rss_peak_mib"]
         live = results[dpo]["step_peak_mib"] / results[sft]["step_peak_mib"]
         verdict = "within" if rss <= BAR else "OVER"
@@ -148,8 +158,8 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str
             f"{dpo} / {sft}: training RSS peak {rss:.3f}x ({verdict} the {BAR}x bar),"
             f" step live peak {live:.3f}x"
         )
-    same = all(results[kind]["batches"] == results[KINDS[0]]["batches"] for kind in KINDS)
-    lines.append(f"the same batches in all four: {'yes' if same else 'NO'}")
+    same = all(results[kind]["batches"] == results[kinds[0]]["batches"] for kind in kinds)
+    lines.append(f"the same batches in all {len(kinds)}: {'yes' if same else 'NO'}")
     return "\n".join(lines)
 
 
@@ -163,10 +173,14 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     from plugintrain.data import PreferenceDataModule
     from plugintrain.model_zoo import CausalLM, PreferenceLM
 
-    lora, objective = args.worker.split("_")
+    lora, objective, *first_pass = args.worker.split("_")
     steps = args.warmup + 1 + args.steps
     data = PreferenceDataModule(
-        str(args.data), batch_size=PAIRS, pad_multiple=args.pad_multiple, shuffle=False
+        str(args.data),
+        batch_size=PAIRS,
+        pad_multiple=args.pad_multiple,
+        shuffle=False,
+        reference_cache=str(args.work / f"cache_{time.time_ns()}"),
     )
     schedule = {"weight_decay": 0.0, "warmup_steps": 0, "lr_decay_steps": steps}
     schedule |= {"min_lr_ratio": 1.0, "optimizer": adamw(), "weights": str(args.weights)}
@@ -176,6 +190,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         callbacks.insert(0, LoRA(r=R, alpha=ALPHA, dropout=0.0, target_modules=list(TARGETS)))
     if objective == "dpo":
         reference = "adapters_off" if lora == "lora" else "data"
+        reference = "first_pass" if first_pass else reference
         module = PreferenceLM(objective="sigmoid", beta=BETA, reference=reference, **schedule)
         cpu_trainer(steps, callbacks).fit(module, datamodule=data)
     else:
@@ -215,6 +230,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--pad-multiple", type=int, default=64, help="rows padded to a multiple of this"
     )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument(
+        "--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="measure these"
+    )
     parser.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--weights", type=Path, help=argparse.SUPPRESS)
@@ -235,9 +253,9 @@ def main() -> None:
         # The LoRA runs start from the same adapters (B = 0), as in dpo_vs_trl.py.
         adapters = _initial_adapters(torch.Generator().manual_seed(SEED))
         torch.save(adapters, Path(work) / "adapters.pt")
-        commands = {kind: _worker_command(kind, Path(work), assets, args) for kind in KINDS}
-        runs = _measure(commands, args.rounds)
-    results = {kind: _summary(runs[kind]) for kind in KINDS}
+        commands = {kind: _worker_command(kind, Path(work), assets, args) for kind in args.kinds}
+        runs = _measure(commands, args.rounds, args.kinds)
+    results = {kind: _summary(runs[kind]) for kind in args.kinds}
     print()
     print(_report(results, args))
     print(f"\n{time.perf_counter() - started:.0f} s in all")

@@ -195,7 +195,7 @@ class PreferenceLoss:
         counts: Tensor,
         reference: Tensor | None,
         row_nll: tuple[Tensor, Tensor] | None = None,
-        nll_denominator: float | None = None,
+        nll_denominator: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The mean loss over the pairs, and its detached statistics.
 
@@ -207,8 +207,8 @@ class PreferenceLoss:
             row_nll: ``orpo``: the summed log-prob of the chosen rows' every token (prompt
                 and answer) and their number; None: their answers'.
             nll_denominator: What the NLL term's summed token NLL is divided by (the
-                module docstring's ``P * S / N``); None: the chosen tokens counted here,
-                the mean over them.
+                module docstring's ``P * S / N``; 0 where unknown); None or 0: the chosen
+                tokens counted here, the mean over them.
 
         Returns:
             The loss and the statistics: per pair ``reward_chosen``/``reward_rejected``
@@ -239,7 +239,10 @@ class PreferenceLoss:
             logs = chosen, rejected
         total = pref.mean()
         if nll is not None:
-            denominator = nll[1].clamp(min=1) if nll_denominator is None else nll_denominator
+            denominator = nll[1].clamp(min=1).to(nll[0].dtype)
+            if nll_denominator is not None:  # the step's, where the data knew it
+                step = nll_denominator.to(denominator.dtype)
+                denominator = torch.where(step > 0, step, denominator)
             total = total - weight * nll[0] / denominator
         return total, self._statistics(scores, logs, pref, nll)
 
@@ -283,15 +286,13 @@ class PreferenceLoss:
         return -(1 - e) * F.logsigmoid(h) - (e * F.logsigmoid(-h) if e else 0)
 
 
-def _nll_denominator(
-    totals: dict[str, int] | None, pairs: int, preference: PreferenceLoss
-) -> float | None:
+def _nll_denominator(totals: Tensor, pairs: int, preference: PreferenceLoss) -> Tensor:
     """``P * S / N`` (the module docstring) for a micro-batch of ``pairs`` pairs of a step
-    with ``totals``; None without totals (the micro-batch's own mean)."""
-    if totals is None:
-        return None
-    tokens = totals["row_targets" if preference.objective == "orpo" else "answer_targets"]
-    return pairs * max(tokens, 1) / totals["pairs"]
+    with ``totals`` (:func:`~plugintrain.core.preference_batch.step_totals`); 0 where the
+    totals are unknown. A tensor: no host sync."""
+    tokens = totals[2 if preference.objective == "orpo" else 1].double().clamp(min=1)
+    step_pairs = totals[0].double()
+    return torch.where(step_pairs > 0, pairs * tokens / step_pairs.clamp(min=1), 0.0)
 
 
 def _log1mexp(x: Tensor) -> Tensor:
@@ -408,10 +409,10 @@ class PreferenceLM(CausalLM):
         return _pipeline_problem(strategy, datamodule, source)
 
     def reference_source(self, batch: tuple[Tensor, ...] | None = None) -> str | None:
-        """Where this run's reference log-probs come from: ``data``, ``adapters_off``, or
-        None for a reference-free objective. Whether the data holds them: the datamodule's
-        ``has_reference``, else (no trainer) whether ``batch`` carries them. Raises a
-        one-line ValueError when there is none."""
+        """Where this run's reference log-probs come from: ``data``, ``adapters_off``,
+        ``first_pass`` (before its pass has run), or None for a reference-free objective.
+        Whether the data holds them: the datamodule's ``has_reference``, else (no trainer)
+        whether ``batch`` carries them. Raises a one-line ValueError when there is none."""
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if datamodule is not None or batch is None:
             in_data = bool(getattr(datamodule, "has_reference", False))

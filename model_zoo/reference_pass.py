@@ -11,13 +11,15 @@ data-parallel ranks take the chunks in turn (tensor-parallel peers score theirs 
 each in batches of the datamodule's ``batch_size`` pairs, and each chunk's log-probs are
 written as one numpy file the moment they are done, so a stopped run scores only the
 chunks it had not finished. Every rank runs as many forwards as every other (a rank out of
-chunks runs a stand-in of one short batch), so the collectives of a sharded model (FSDP2) line up.
+chunks runs a stand-in of one short batch), so the collectives of a sharded model (FSDP2)
+line up.
 
 The cache, ``DATA_DIR/reference_cache/<key>/`` (or the datamodule's ``reference_cache``
-folder), is keyed by what decides the numbers: the starting weights (their spec, and a file's size
-and modification time; random weights' seed), the architecture, the precision and the
-prepared data. A run resumed past its first step finds it complete; if it is gone, the run
-is refused (the model is no longer the reference).
+folder, which every rank must see), is keyed by what decides the numbers: the starting
+weights (their spec, and the size and modification time of the file or of each file of
+the folder; random weights' seed), the architecture, the precision and the prepared data
+(the size and modification time of its files). A run resumed from a checkpoint must find
+it complete, else it is refused (its model is no longer the reference).
 """
 
 from __future__ import annotations
@@ -43,22 +45,26 @@ def cache_folder(module: Any, trainer: Any, datamodule: Any) -> Path:
     """The cache of this run's reference log-probs: a folder named by the key of the module
     docstring."""
     weights = module.weights
-    stat = None
-    if weights is not None and Path(weights).exists():
-        info = Path(weights).stat()
-        stat = [info.st_size, info.st_mtime_ns]
-    meta = Path(datamodule.data_dir, "meta.json").read_bytes()
     key = {
         "weights": weights,
-        "weights_file": stat,
+        "weights_files": None if weights is None else _stats(Path(weights)),
         "init_seed": module.init_seed if weights is None else None,  # random weights' seed
         "config": repr(module.config),
         "precision": str(trainer.precision),
-        "data": hashlib.sha256(meta).hexdigest(),
+        "data": _stats(Path(datamodule.data_dir)),
         "chunk_pairs": CHUNK_PAIRS,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return datamodule.reference_cache_root / digest
+
+
+def _stats(path: Path) -> list[list[Any]] | None:
+    """Name, size and modification time of ``path``, or of each file directly in it (a
+    folder of weights, the prepared data): what changes when any of them is rewritten."""
+    if not path.exists():
+        return None  # a pretrained name
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 def _chunk_file(folder: Path, split: str, chunk: int) -> Path:
@@ -90,27 +96,34 @@ def _chunks(pairs: int) -> int:
 def first_pass(module: Any, trainer: Any, datamodule: Any) -> dict[str, np.ndarray]:
     """Score every pair's sequences of ``datamodule`` with ``module``'s model (the chunks
     a cache lacks, shared among the data-parallel ranks) and return each split's log-probs
-    ``(2n,)`` float64, from the cache. Every rank of the run calls it.
+    ``(2n,)`` float64, from the cache. Every rank of the run calls it; rank 0 alone names
+    the cache, lists what it lacks and reads it back, and hands the results to every rank.
 
     Raises:
-        ValueError: If the run resumed past its first step and the cache is incomplete.
+        ValueError: On every rank, if the run resumes from a checkpoint and the cache is
+            incomplete, or the chunks the ranks wrote are not all where rank 0 reads.
     """
-    folder = cache_folder(module, trainer, datamodule)
     strategy = trainer.strategy
-    missing = strategy.broadcast(_missing(folder, datamodule), src=0)  # one list on every rank
-    if missing and trainer.global_step > 0:
+    first = strategy.global_rank == 0
+    folder = strategy.broadcast(cache_folder(module, trainer, datamodule) if first else None, src=0)
+    missing = strategy.broadcast(_missing(folder, datamodule) if first else None, src=0)
+    if missing and trainer.ckpt_path is not None:
         raise ValueError(
-            f"the reference log-probs cached in {folder} are incomplete, and this run resumed"
-            f" at step {trainer.global_step}, where the model is no longer the reference;"
+            f"the reference log-probs cached in {folder} lack {len(missing)} chunks, and this"
+            f" run resumes from {trainer.ckpt_path}, whose model is no longer the reference;"
             " start the run again from its first step, or prepare the pairs with `plugintrain"
             " prepare preference ... --reference WEIGHTS`"
         )
     if missing:
-        folder.mkdir(parents=True, exist_ok=True)
         _score_chunks(module, trainer, datamodule, folder, missing)
         strategy.barrier("reference_first_pass")
-    logps = cached_logps(folder, datamodule)
-    assert logps is not None, f"{folder}: chunks missing after the first pass"
+    logps = strategy.broadcast(cached_logps(folder, datamodule) if first else None, src=0)
+    if logps is None:
+        raise ValueError(
+            f"the first pass's reference log-probs are not all in {folder} for rank 0 to read:"
+            " set data.init_args.reference_cache to a folder every rank sees (a shared"
+            " filesystem across nodes, as for checkpoints)"
+        )
     return logps
 
 
@@ -137,6 +150,7 @@ def _score_chunks(
     context = trainer.strategy.precision_plugin.forward_context
     training = module.model.training
     module.model.eval()  # the reference without dropout, as the adapters-off one
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         for start in range(0, len(missing), replicas):
             turn = missing[start + rank] if start + rank < len(missing) else None

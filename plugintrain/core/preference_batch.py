@@ -72,12 +72,12 @@ def unpack_reference(y: Tensor) -> tuple[Tensor, Tensor]:
     )
 
 
-def step_totals(y: Tensor) -> dict[str, int] | None:
-    """The :data:`STEP_TOTALS` ``y`` carries, or None where the data did not know them."""
+def step_totals(y: Tensor) -> Tensor:
+    """The :data:`STEP_TOTALS` ``y`` carries: ``(3,)`` int64 on ``y``'s device, zeros
+    where the data did not know them (read without a host sync)."""
     if y.size(0) == 0:
-        return None
-    values = y[0, y.size(1) - len(STEP_TOTALS) :].tolist()
-    return dict(zip(STEP_TOTALS, values, strict=True)) if values[0] > 0 else None
+        return torch.zeros(len(STEP_TOTALS), dtype=torch.int64, device=y.device)
+    return y[0, y.size(1) - len(STEP_TOTALS) :]
 
 
 def row_targets(y: Tensor) -> Tensor:

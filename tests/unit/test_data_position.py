@@ -26,7 +26,7 @@ def data_dir(tmp_path):
 
 
 def _fake_trainer(replicas: int, rank: int, processed: int = 0, epoch: int = 0):
-    progress = SimpleNamespace(current=SimpleNamespace(processed=processed))
+    progress = SimpleNamespace(current=SimpleNamespace(processed=processed, ready=processed))
     return SimpleNamespace(
         strategy=SimpleNamespace(
             distributed_sampler_kwargs={"num_replicas": replicas, "rank": rank},

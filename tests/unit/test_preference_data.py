@@ -555,8 +555,8 @@ def test_pack_and_unpack_reference_round_trip():
     assert torch.equal(back, targets) and got.dtype == torch.float64
     assert np.array_equal(got.numpy(), ref, equal_nan=True)
     assert np.isnan(unpack_reference(packed[1:2])[1].item())
-    assert step_totals(packed[2:]) == {"pairs": 6, "answer_targets": 40, "row_targets": 70}
-    assert step_totals(pack_batch(targets, ref)) is None  # zeros: not known
+    assert step_totals(packed[2:]).tolist() == [6, 40, 70]  # pairs, answer and row targets
+    assert step_totals(pack_batch(targets, ref)).tolist() == [0, 0, 0]  # not known
     replaced = with_reference(packed, torch.tensor([-1.0, -2.0, -3.0]))
     assert unpack_reference(replaced)[1].tolist() == [-1.0, -2.0, -3.0]
     assert torch.equal(replaced[:, [0, 1, 3, 4, 5]], packed[:, [0, 1, 3, 4, 5]])
@@ -615,6 +615,14 @@ def test_pairs_stay_whole_on_every_rank_and_resume_under_another_layout(tmp_path
     assert continued == uninterrupted[3:]
 
 
+def _varied_pair(n):
+    """Pair n: a 1 + n % 3 token prompt starting with n, a 1 + n % 4 token chosen answer."""
+    prompt = [n] + [5] * (n % 3)
+    answer = [1000 + n] + [7] * (n % 4)
+    mask = [0] * len(prompt) + [1] * len(answer)
+    return (prompt + answer, mask), ([*prompt, 2000 + n], mask[: len(prompt) + 1])
+
+
 def test_every_batch_carries_its_step_s_totals_on_every_rank(tmp_path):
     """A step is each rank's ``accumulate`` micro-batches: every batch of it carries the
     step's pairs and its chosen rows' answer and row targets, summed here from the pairs
@@ -623,13 +631,7 @@ def test_every_batch_carries_its_step_s_totals_on_every_rank(tmp_path):
     from plugintrain.core.preference_batch import step_totals
     from plugintrain.data import PreferenceDataModule
 
-    def pair(n):
-        prompt = [n] + [5] * (n % 3)
-        answer = [1000 + n] + [7] * (n % 4)
-        mask = [0] * len(prompt) + [1] * len(answer)
-        return (prompt + answer, mask), ([*prompt, 2000 + n], mask[: len(prompt) + 1])
-
-    folder = _folder(tmp_path / "pref", [pair(n) for n in range(PAIRS + 3)], seq_len=16)
+    folder = _folder(tmp_path / "pref", [_varied_pair(n) for n in range(PAIRS + 3)], seq_len=16)
     for replicas, batch, accumulate, position in [(1, 4, 1, 0), (2, 2, 3, 0), (3, 1, 2, 6)]:
         drawn = {}  # (step, rank) -> the step's totals each batch carried, its pairs
         for rank in range(replicas):
@@ -641,7 +643,7 @@ def test_every_batch_carries_its_step_s_totals_on_every_rank(tmp_path):
             for index, (x, y) in enumerate(data.train_dataloader()):
                 totals, names = step_totals(y), x[::2, 0].tolist()
                 seen = drawn.setdefault(index // accumulate, {}).setdefault(rank, [])
-                seen.append((tuple(totals.values()), names))
+                seen.append((tuple(totals.tolist()), names))
         for step, ranks in drawn.items():
             assert len(ranks) == replicas
             carried = {t for batches in ranks.values() for t, _ in batches}
@@ -651,6 +653,57 @@ def test_every_batch_carries_its_step_s_totals_on_every_rank(tmp_path):
             assert carried == {(len(names), answers, rows)}, (replicas, step)
         used = sum(len(b) for steps in drawn.values() for r in steps.values() for _, b in r)
         assert used == (PAIRS + 3 - position) // (replicas * batch) * replicas * batch
+
+
+def test_step_totals_follow_lightning_s_steps_across_a_resume_with_another_accumulate(tmp_path):
+    """Lightning steps after every ``accumulate`` micro-batches of the epoch, counting
+    those before a checkpoint: resumed at 4 after one step of 2, its next step holds 2
+    micro-batches, then 4. Every batch of each step Lightning takes (seen from inside a
+    real fit) carries that step's totals."""
+    import lightning.pytorch as pl
+
+    from plugintrain.core.preference_batch import step_totals
+    from plugintrain.data import PreferenceDataModule
+
+    folder = _folder(tmp_path / "pref", [_varied_pair(n) for n in range(PAIRS)])
+
+    class Steps(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1))
+            self.steps, self.batches = [[]], []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            self.steps[-1].append((x[::2, 0].tolist(), step_totals(y).tolist()))
+            return (self.w**2).sum()
+
+        def on_before_optimizer_step(self, optimizer):
+            self.steps.append([])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(accumulate, steps, ckpt_path=None):
+        module = Steps()
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=steps, accumulate_grad_batches=accumulate,
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path / "run", limit_val_batches=0,
+        )  # fmt: skip
+        data = PreferenceDataModule(str(folder), batch_size=1, seed=3, pad_multiple=1)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return [step for step in module.steps if step]
+
+    first = fit(accumulate=2, steps=1)
+    (checkpoint,) = (tmp_path / "run").rglob("*.ckpt")
+    resumed = fit(accumulate=4, steps=3, ckpt_path=str(checkpoint))
+    assert [len(step) for step in first + resumed] == [2, 2, 4]
+    for step in first + resumed:
+        names = [n for batch, _ in step for n in batch]
+        answers = sum(1 + n % 4 for n in names)
+        rows = sum((1 + n % 3) + (1 + n % 4) - 1 for n in names)
+        assert {tuple(totals) for _, totals in step} == {(len(names), answers, rows)}
 
 
 def test_datamodules_refuse_each_other_s_folders(tmp_path):

@@ -324,6 +324,8 @@ def test_a_first_pass_scores_the_pairs_caches_them_and_resumes(tmp_path, monkeyp
     before the first step, with the model as it starts (plain PyTorch's log-probs of the
     same weights, within 1e-5), so the first step's DPO loss is log 2; a pass stopped
     after two chunks resumes with the six it lacks, and a second run scores nothing."""
+    import shutil
+
     import lightning.pytorch as pl
     import numpy as np
 
@@ -348,16 +350,16 @@ def test_a_first_pass_scores_the_pairs_caches_them_and_resumes(tmp_path, monkeyp
         def on_train_batch_end(self, trainer, module, outputs, *args):
             losses.append(float(outputs["loss"]))
 
-    def fit():
+    def fit(steps=1, ckpt_path=None):
         pl.seed_everything(0)
         module = PreferenceLM(config=preference_config(), warmup_steps=0, beta=0.1)
         trainer = pl.Trainer(
-            accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-            callbacks=[grads, FirstLoss()],
+            accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, callbacks=[grads, FirstLoss()],
+            default_root_dir=tmp_path / "run",
         )  # fmt: skip
         data = PreferenceDataModule(str(tmp_path / "pref"), batch_size=2, pad_multiple=1)
-        trainer.fit(module, datamodule=data)
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
         return data
 
     grads, stop_after = _Grads(), 2
@@ -387,6 +389,13 @@ def test_a_first_pass_scores_the_pairs_caches_them_and_resumes(tmp_path, monkeyp
     written.clear()
     fit()
     assert written == []  # a complete cache: nothing scored again
+    # Resumed from a checkpoint (its model trained past the reference) with the cache gone:
+    # refused in one line, nothing scored.
+    checkpoint = sorted((tmp_path / "run").rglob("*.ckpt"))[-1]
+    shutil.rmtree(cache)
+    with pytest.raises(ValueError, match=r"lack 8 chunks, and this run resumes from .*\.ckpt"):
+        fit(steps=2, ckpt_path=str(checkpoint))
+    assert written == []
 
 
 def test_a_pipeline_refuses_a_first_pass():

@@ -46,11 +46,11 @@ class _Spy:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, stop_at: int | None = None) -> None:
         self.written: list[int] = []
 
-        def write(folder, index, pairs, scores):
+        def write(folder, index, *rest):
             if index == stop_at:
                 raise KeyboardInterrupt  # a Ctrl-C (or SIGTERM) while this shard is written
             self.written.append(index)
-            WRITE_SHARD(folder, index, pairs, scores)
+            WRITE_SHARD(folder, index, *rest)
 
         monkeypatch.setattr(preference_shards, "write_shard", write)
 
@@ -176,3 +176,82 @@ def test_shard_options_are_checked_first(rows, tmp_path, capsys):
         assert message in _last_error(capsys)
         assert not list(tmp_path.glob("out*"))
     assert preference_prepare.PreferencePrepareOptions("gpt2").shard_pairs == 4096
+
+
+def test_a_task_leaves_the_other_tasks_files_alone(tmp_path, capsys):
+    """Tasks share ``OUT.progress``: a task starting while another writes a shard keeps
+    that one's unfinished file, and a task that meets bad input in its own shard removes
+    nothing (the other tasks' finished shards stay)."""
+    pairs = _pairs(20)
+    pairs[2] = {"prompt": "p", "chosen": "same", "rejected": "same"}  # in shard 0 (task 0)
+    path = _write(tmp_path / "in.jsonl", pairs)
+    out, shared = tmp_path / "out", ["--shard_pairs", "4", "--num_tasks", "2"]
+    assert _run([path], out, *shared, "--task_index", "1") == 0
+    progress = preference_shards.progress_folder(out)
+    writing = progress / "shard_000002.npz.0123456789ab.partial"  # task 0's, mid-write
+    writing.write_bytes(b"half")
+    finished = sorted(p.name for p in progress.glob("shard_*.json"))
+    assert finished == ["shard_000001.json", "shard_000003.json"]
+    assert _run([path], out, *shared, "--task_index", "0") == 2
+    assert "in.jsonl:3: chosen equals rejected" in _last_error(capsys)
+    assert writing.read_bytes() == b"half"
+    assert sorted(p.name for p in progress.glob("shard_*.json")) == finished
+
+
+SLOW_RUN = """
+import sys, time
+from plugintrain.cli import main
+from plugintrain.data.prepare import preference_shards
+
+write = preference_shards.write_shard
+
+def slow(*args):
+    write(*args)
+    time.sleep(0.5)
+
+if __name__ == "__main__":  # not in the spawned workers
+    preference_shards.write_shard = slow
+    sys.exit(main(["prepare", "preference", *sys.argv[1:]]))
+"""
+
+
+def test_sigterm_ends_every_process_and_keeps_the_finished_shards(rows, whole, tmp_path):
+    """SIGTERM while shards are encoded by 2 worker processes: within seconds the run and
+    its workers are gone, exit status 130 with a one-line note last, the finished shards
+    kept and ``OUT`` untouched; the same command then writes the uncut run's bytes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "out"
+    options = [*OPTIONS, "--shard_pairs", "7", "--workers", "2", "--template", "plain"]
+    argv = [str(rows), "--tokenizer", "gpt2", "--out", str(out), *options]
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_RUN)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *argv], stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    progress = preference_shards.progress_folder(out)
+    deadline = time.monotonic() + 60
+    while not (progress / "shard_000001.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    _, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - stopped < 10
+    assert proc.returncode == 130
+    assert stderr.strip().splitlines()[-1] == (
+        f"plugintrain prepare preference: interrupted; the finished shards are kept in"
+        f" {out}.progress: rerun the same command to go on"
+    )
+    with pytest.raises(ProcessLookupError):  # no worker outlived it
+        for _ in range(100):
+            os.killpg(proc.pid, 0)
+            time.sleep(0.1)
+    assert not out.exists() and len(list(progress.glob("shard_*.json"))) >= 2
+    assert _run([rows], out, *OPTIONS, "--shard_pairs", "7") == 0
+    assert _files(out) == whole

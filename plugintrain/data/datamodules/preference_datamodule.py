@@ -27,7 +27,7 @@ Validation batches carry their own totals.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -90,7 +90,8 @@ class PreferencePairs(Dataset):
         chosen = 2 * np.asarray(pairs, dtype=np.int64)
         starts, ends = self.sequences.offsets[chosen], self.sequences.offsets[chosen + 1]
         mask = self.sequences.mask
-        answers = [int(mask[a + 1 : b].sum(dtype=np.int64)) for a, b in zip(starts, ends)]
+        spans = zip(starts.tolist(), ends.tolist(), strict=True)
+        answers = [int(mask[a + 1 : b].sum(dtype=np.int64)) for a, b in spans]
         return np.stack((np.asarray(answers, dtype=np.int64), ends - starts - 1), axis=1)
 
     def __getitem__(self, key: int | tuple[int, tuple[int, int, int]]) -> Any:
@@ -112,11 +113,18 @@ class StepTotalsSampler(ResumableSampler):
     """The training pairs' sampler: yields ``(pair, step totals)`` (see the module
     docstring), the totals of the optimizer step the pair is trained in.
 
+    Lightning steps whenever its count of the epoch's ready micro-batches reaches a
+    multiple of ``accumulate``, a count a resumed run carries on from its checkpoint (made
+    under any layout): so a resumed run's first step here may hold fewer. Both are read
+    when an epoch is iterated (after callbacks such as ``GradientAccumulationScheduler``
+    have set them).
+
     Args:
         dataset: The training pairs.
         num_replicas, rank, shuffle, seed: As `ResumableSampler`'s (the tail dropped).
         batch_size: Pairs per micro-batch (the loader drops a short last one).
-        accumulate: Micro-batches per optimizer step on each rank.
+        phase: ``() -> (accumulate, micro-batches Lightning has counted toward its
+            steps before this iteration)``, from the trainer.
     """
 
     def __init__(
@@ -127,21 +135,26 @@ class StepTotalsSampler(ResumableSampler):
         shuffle: bool,
         seed: int,
         batch_size: int,
-        accumulate: int,
+        phase: Callable[[], tuple[int, int]],
     ) -> None:
         super().__init__(dataset, num_replicas, rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.pairs, self.batch_size, self.accumulate = dataset, batch_size, accumulate
+        self.pairs, self.batch_size, self.phase = dataset, batch_size, phase
 
     def __iter__(self) -> Iterator[tuple[int, tuple[int, int, int]]]:  # type: ignore[override]
         rest, end = self._rest()
         ranks = self.num_replicas
         used = end // ranks // self.batch_size * self.batch_size * ranks  # whole batches
-        step = ranks * self.accumulate * self.batch_size
+        accumulate, done = self.phase()
+        step = ranks * accumulate * self.batch_size
+        lead = (-done) % accumulate * ranks * self.batch_size  # the first step's rest
         current, totals = -1, (0, 0, 0)
         for position in range(self.rank, used, ranks):
-            if position // step != current:  # a new step: its run of the order, summed
-                current = position // step
-                run = np.asarray(rest[current * step : min((current + 1) * step, used)])
+            index = 0 if position < lead else (lead > 0) + (position - lead) // step
+            if index != current:  # a new step: its run of the order, summed
+                current = index
+                first = 0 if index == 0 else lead + (index - (lead > 0)) * step
+                last = lead if index == 0 and lead else first + step
+                run = np.asarray(rest[first : min(last, used)])
                 answers, rows = self.pairs.target_counts(run).sum(axis=0).tolist()
                 totals = (len(run), answers, rows)
             yield int(rest[position]), totals
@@ -277,10 +290,18 @@ class PreferenceDataModule(ResumableBatches):
             return super()._sampler(dataset, shuffle, drop_last)
         assert isinstance(dataset, PreferencePairs) and drop_last
         replicas, rank = self._data_parallel_layout()
-        accumulate = getattr(self.trainer, "accumulate_grad_batches", 1) if self.trainer else 1
         return StepTotalsSampler(
-            dataset, replicas, rank, shuffle, self.seed, self.batch_size, int(accumulate)
+            dataset, replicas, rank, shuffle, self.seed, self.batch_size, self._step_phase
         )
+
+    def _step_phase(self) -> tuple[int, int]:
+        """Lightning's ``accumulate_grad_batches`` now, and the micro-batches it counts
+        toward its next step (it steps when its count of ready batches reaches a multiple:
+        a resumed run's count carries on from its checkpoint's)."""
+        accumulate = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)
+        fit_loop = getattr(self.trainer, "fit_loop", None)
+        ready = 0 if fit_loop is None else fit_loop.epoch_loop.batch_progress.current.ready
+        return accumulate, int(ready)
 
     def _pairs(self, split: str) -> PreferencePairs:
         pairs = PreferencePairs(self.data_dir, split)

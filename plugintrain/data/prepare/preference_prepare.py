@@ -209,24 +209,28 @@ def prepare_preference(
     sources = expand_inputs(inputs, exclude=out)
     settings = _settings(options, encoder, sources, reference)
     folder, fresh = shards.open_progress(out, settings, overwrite)
+    run = _Run(folder, shards.settings_digest(settings), (num_tasks, task_index))
     try:
-        fmt, count, encoded = _encode_shards(
-            inputs, out, encoder, options, reference, folder, (num_tasks, task_index)
-        )
+        fmt, count, encoded = _encode_shards(inputs, out, encoder, options, reference, run)
         if num_tasks > 1:
-            return {
-                "task": [task_index, num_tasks],
-                "shards": count,
-                "encoded": encoded,
-                "progress": str(folder),
-            }
-        meta = _assemble(out, folder, count, options, encoder, fmt, inputs, reference, show)
+            return {"task": [task_index, num_tasks], "shards": count, "encoded": encoded}
+        meta = _assemble(out, run, count, options, encoder, fmt, inputs, reference, show)
     except (ChatDataError, ChatTemplateError, ValueError):
-        if fresh:
-            remove(folder)  # bad input: nothing of this run is left
+        if fresh and num_tasks == 1:  # bad input: nothing of this run is left (tasks share it)
+            remove(folder)
         raise
     remove(folder)
     return meta
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Where a run keeps its shards, the digest of its settings, and its ``(num_tasks,
+    task_index)``."""
+
+    folder: Path
+    digest: str
+    task: tuple[int, int]
 
 
 def _check_options(options: PreferencePrepareOptions, num_tasks: int, task_index: int) -> None:
@@ -263,9 +267,17 @@ def _settings(
         "seed": options.seed,
         "read": [options.read.split, options.read.hub_config, options.read.errors],
         "shard_pairs": options.shard_pairs,
-        "sources": [[source.label, source.size] for source in sources],
+        "sources": [_fingerprint(source) for source in sources],
         "reference": None if reference is None else reference.weights,
     }
+
+
+def _fingerprint(source: Any) -> list[Any]:
+    """A source as the settings name it: its label, size and (a file's) modification time
+    (a hub dataset: its name alone; its revision is the hub's cache's)."""
+    path = source.path
+    changed = path.stat().st_mtime_ns if path is not None and path.exists() else None
+    return [source.label, source.size, changed]
 
 
 # -- encoding ---------------------------------------------------------------------------
@@ -277,8 +289,7 @@ def _encode_shards(
     encoder: ChatEncoder,
     options: PreferencePrepareOptions,
     reference: Reference | None,
-    folder: Path,
-    task: tuple[int, int],
+    run: _Run,
 ) -> tuple[str, int, int]:
     """Encode, score and write each shard of this task not finished yet (by
     ``options.workers`` processes); the row format, the input's shards and how many were
@@ -294,16 +305,16 @@ def _encode_shards(
     if first is None:
         raise ChatDataError(f"{' '.join(inputs)}: holds no rows; give preference pairs")
     fmt = detect_layout(first[1], first[0]) if options.format == "auto" else options.format
-    num_tasks, task_index = task
+    num_tasks, task_index = run.task
     count = encoded = 0
     with _Encoder(encoder, options, fmt) as encode:
         for index, part in shards.shards_of(itertools.chain([first], rows), options.shard_pairs):
             count = index + 1
-            if index % num_tasks != task_index or shards.is_finished(folder, index):
+            if index % num_tasks != task_index or shards.is_finished(run.folder, index, run.digest):
                 continue
             pairs = encode(part)
             scores = _score(reference, _kept(pairs)) if reference is not None else None
-            shards.write_shard(folder, index, pairs, scores)
+            shards.write_shard(run.folder, index, pairs, scores, run.digest)
             encoded += 1
     return fmt, count, encoded
 
@@ -442,7 +453,7 @@ def _score(reference: Reference, pairs: list[EncodedPair]) -> np.ndarray:
 
 def _assemble(
     out: Path,
-    folder: Path,
+    run: _Run,
     count: int,
     options: PreferencePrepareOptions,
     encoder: ChatEncoder,
@@ -451,13 +462,14 @@ def _assemble(
     reference: Reference | None,
     show: int,
 ) -> dict[str, Any]:
-    """The output folder from the ``count`` finished shards of ``folder``: the held-out
+    """The output folder from the ``count`` finished shards of ``run``: the held-out
     split over every pair, the splits' arrays, ``val.pairs.jsonl`` and ``meta.json``.
 
     Raises:
         ChatDataError: If the split leaves no pair to train on.
     """
-    unfinished = [k for k in range(count) if not shards.is_finished(folder, k)]
+    folder = run.folder
+    unfinished = [k for k in range(count) if not shards.is_finished(folder, k, run.digest)]
     if unfinished:  # another task's, still running or stopped
         raise ChatDataError(
             f"{folder}: {len(unfinished)} of {count} shards are not encoded (first: shard"

@@ -22,8 +22,10 @@ or JSON lines.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +41,6 @@ PROGRESS_SUFFIX = ".progress"
 """The progress folder's suffix: ``DIR.progress`` beside the output ``DIR``."""
 DROPPED = ("too_long", "prompt_fills_seq_len", "same_after_truncation")
 """Why a pair is dropped (``EncodedPair.dropped``), as a shard stores it: 1 + its index."""
-_ARRAYS = ("ids", "mask", "offsets", "keys", "dropped", "prompt_truncated", "answers_truncated")
 
 
 def progress_folder(out: Path) -> Path:
@@ -50,35 +51,56 @@ def progress_folder(out: Path) -> Path:
 def open_progress(out: Path, settings: dict[str, Any], overwrite: bool) -> tuple[Path, bool]:
     """The progress folder of a run of ``settings`` into ``out``, made ready, and whether
     it holds no finished shard (a fresh run). One of other settings is cleared where it
-    holds no finished shard or ``overwrite`` is given, else refused.
+    holds no finished shard or ``overwrite`` is given, else refused. Tasks may open it at
+    the same time: one of the same settings is never cleared, and nothing of another
+    task's (its unfinished files) is touched.
 
     Raises:
         FileExistsError: For a progress folder of other settings with finished shards, or
-            a path of that name that is no progress folder.
+            a path of that name that holds other files.
     """
     folder = progress_folder(out)
     recorded = _read_json(folder / "settings.json")
-    finished = recorded is not None and any(folder.glob("shard_*.json"))
-    if folder.exists() and recorded is None and not overwrite:
-        raise FileExistsError(
-            f"{folder}: exists and is no progress of `plugintrain prepare preference`; move it"
-            " away, or add --overwrite to replace it"
-        )
-    if recorded != settings and finished and not overwrite:
-        changed = sorted(k for k in settings if (recorded or {}).get(k) != settings[k])
-        raise FileExistsError(
-            f"{folder}: holds finished shards of a run with other settings ({', '.join(changed)}"
-            " differ); rerun with those settings to resume it, or add --overwrite to start over"
-        )
-    if recorded != settings:
+    finished = any(folder.glob("shard_*.json"))
+    if recorded is None and folder.exists() and not _only_progress(folder):
+        if not overwrite:
+            raise FileExistsError(
+                f"{folder}: holds files that are no progress of `plugintrain prepare"
+                " preference`; move them away, or add --overwrite to replace the folder"
+            )
+        remove(folder)
+        finished = False
+    elif recorded is not None and recorded != settings:
+        if finished and not overwrite:
+            changed = sorted(k for k in settings if recorded.get(k) != settings[k])
+            raise FileExistsError(
+                f"{folder}: holds finished shards of a run with other settings"
+                f" ({', '.join(changed)} differ); rerun with those settings to resume it, or"
+                " add --overwrite to start over"
+            )
         remove(folder)
         finished = False
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob(f"*{PARTIAL_SUFFIX}"):
-        stale.unlink()  # a killed run's unfinished files
-    with atomic_open(folder / "settings.json") as stream:
-        stream.write(json.dumps(settings, indent=2).encode())
+    if recorded != settings:
+        with atomic_open(folder / "settings.json", shared=True) as stream:
+            stream.write(json.dumps(settings, indent=2).encode())
     return folder, not finished
+
+
+def settings_digest(settings: dict[str, Any]) -> str:
+    """What a shard's record names its settings by (a shard of others is not finished)."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def _only_progress(folder: Path) -> bool:
+    """Whether ``folder`` holds nothing but a progress folder's files."""
+    names = (p.name for p in folder.iterdir())
+    return all(_PROGRESS_FILE.fullmatch(name) for name in names)
+
+
+_PROGRESS_FILE = re.compile(
+    rf"(settings\.json|shard_\d{{6}}\.(npz|pairs\.jsonl|json))(\.[0-9a-f]{{12}})?({PARTIAL_SUFFIX})?"
+)
 
 
 def shards_of(rows: Iterator[Any], shard_pairs: int) -> Iterator[tuple[int, list[Any]]]:
@@ -99,18 +121,27 @@ def _name(index: int) -> str:
     return f"shard_{index:06d}"
 
 
-def is_finished(folder: Path, index: int) -> bool:
-    """Whether shard ``index``'s record is there and its files still match it."""
+def is_finished(folder: Path, index: int, digest: str) -> bool:
+    """Whether shard ``index``'s record is there, of the settings of ``digest``
+    (`settings_digest`), and its files still match it."""
     record = _read_json(folder / f"{_name(index)}.json")
-    return record is not None and all(
-        (folder / name).is_file() and sha256_file(folder / name) == digest
-        for name, digest in record["files"].items()
+    return (
+        record is not None
+        and record.get("settings") == digest
+        and all(
+            (folder / name).is_file() and sha256_file(folder / name) == digest
+            for name, digest in record["files"].items()
+        )
     )
 
 
-def write_shard(folder: Path, index: int, pairs: list[Any], scores: np.ndarray | None) -> None:
+def write_shard(
+    folder: Path, index: int, pairs: list[Any], scores: np.ndarray | None, digest: str
+) -> None:
     """Shard ``index``: its ``EncodedPair``s and the reference log-probs of the kept ones'
-    sequences (None without a reference); the record last."""
+    sequences (None without a reference); the record, naming the settings' ``digest``,
+    last. Each file goes through a temporary file of its own, so two runs writing one
+    shard (an assembly started while a task still runs) leave one whole copy."""
     kept = [p for p in pairs if p.dropped is None]
     sequences = [s for p in kept for s in p.sequences()]
     arrays = {
@@ -126,15 +157,15 @@ def write_shard(folder: Path, index: int, pairs: list[Any], scores: np.ndarray |
     if scores is not None:
         arrays["ref_logps"] = np.asarray(scores, dtype=np.float64)
     name = _name(index)
-    with atomic_open(folder / f"{name}.npz") as stream:
+    with atomic_open(folder / f"{name}.npz", shared=True) as stream:
         np.savez(stream, **arrays)
     lines = (json.dumps({"where": p.where, **record(p.pair)}, ensure_ascii=False) for p in pairs)
-    with atomic_open(folder / f"{name}.pairs.jsonl") as stream:
+    with atomic_open(folder / f"{name}.pairs.jsonl", shared=True) as stream:
         stream.write("".join(f"{line}\n" for line in lines).encode())
     files = [f"{name}.npz", f"{name}.pairs.jsonl"]
-    summary = {"shard": index, "pairs": len(pairs)}
+    summary = {"shard": index, "pairs": len(pairs), "settings": digest}
     summary["files"] = {file: sha256_file(folder / file) for file in files}
-    with atomic_open(folder / f"{name}.json") as stream:
+    with atomic_open(folder / f"{name}.json", shared=True) as stream:
         stream.write(json.dumps(summary, indent=2).encode())
 
 
