@@ -19,9 +19,10 @@ answers.
   (the share of pairs whose chosen answer gains more log-probability over the reference
   than the rejected one: DPO's implicit reward ranks it first), the mean reward margin
   (``--beta`` times the difference of the two gains) and the reference's own accuracy
-  (its chosen answer more likely than its rejected one). The reference is the folder's
-  own (``prepare preference --reference``), else, with ``--adapter``, ``--weights``
-  without it; with neither, the accuracy is the model's own. Loss and perplexity are
+  (its chosen answer more likely than its rejected one). The reference is ``--reference
+  WEIGHTS`` (scored here), else the folder's own (``prepare preference --reference``),
+  else, with ``--adapter``, ``--weights`` without it; with none, the accuracy is the
+  model's own. Loss and perplexity are
   over the chosen answers' tokens, and the answers to the pairs' prompts are scored
   against the chosen answers.
 
@@ -93,7 +94,11 @@ def _argument_problem(args: Namespace) -> str | None:
         return f"--include_path {args.include_path}: no such folder; pass your task YAMLs' folder"
     if args.template not in (None, "plain") and not Path(args.template).is_file():
         return f"--template {args.template}: no such file; pass a .jinja file, or plain"
-    return missing_path("--weights", args.weights) or missing_path("--adapter", args.adapter)
+    return (
+        missing_path("--weights", args.weights)
+        or missing_path("--adapter", args.adapter)
+        or missing_path("--reference", args.reference)
+    )
 
 
 # ---- the data, read before the model loads ---------------------------------------------
@@ -483,6 +488,8 @@ def _options_problem(args: Namespace, data: EvalData) -> str | None:
         return f"--beta {args.beta}: must be > 0 (DPO's usual value is 0.1)"
     if data.kind != PREFERENCE_FOLDER and args.beta != 0.1:
         return f"--beta scales a preference folder's reward margin; {data.path} holds none: drop it"
+    if data.kind != PREFERENCE_FOLDER and args.reference is not None:
+        return f"--reference scores a preference folder's pairs; {data.path} holds none: drop it"
     if data.kind != TEXT and args.seq_len is not None:
         return f"--seq_len cuts text into windows; {data.path} holds chat examples: drop it"
     if data.kind == TEXT and args.template is not None:
@@ -522,6 +529,7 @@ def evaluate_command(
     limit: int | None = None,
     template: str | None = None,
     beta: float = 0.1,
+    reference: str | None = None,
     json: str | None = None,
     device: str | None = None,
 ) -> int:
@@ -548,6 +556,9 @@ def evaluate_command(
         limit: the first N windows/examples
         template: chat: a .jinja chat template, or plain (default: the model's own)
         beta: preference: DPO's beta, the reward margin's scale
+        reference: preference: the reference model's weights (a full fine-tuning run's
+            starting weights), scored here; default: the folder's stored log-probs, or
+            with --adapter the --weights it was trained on
         json: write the results as JSON to this file (-: stdout)
         device: where the model runs
     """
@@ -572,13 +583,17 @@ def _evaluate(args: Namespace) -> int:
     args.reference_logps = None
     base_is_reference = args.adapter is not None and args.weights is not None
     cached = (found.path / f"{found.split}.ref_logps.npy").is_file()
-    if found.kind == PREFERENCE_FOLDER and args.weights is None and not cached:
+    if args.reference is not None:  # the reference named: scored here, as the base would be
+        args.reference_logps = _base_logps(
+            Namespace(**{**vars(args), "weights": args.reference, "adapter": None}), found
+        )
+    elif found.kind == PREFERENCE_FOLDER and args.weights is None and not cached:
         raise ConfigError(
             f"--data {found.path} holds no reference log-probs, and the reference of an"
             " adapter is its base: pass --weights BASE (the weights the adapter was trained"
             " on) beside --adapter"
         )
-    if found.kind == PREFERENCE_FOLDER and base_is_reference and not cached:
+    elif found.kind == PREFERENCE_FOLDER and base_is_reference and not cached:
         args.reference_logps = _base_logps(args, found)
     module = _load(args, found)
     try:

@@ -458,25 +458,32 @@ def _preference_folder(tmp_path: Path) -> Path:
     return tmp_path / "pref"
 
 
+def _plain_logps(lm: PretrainedLM, folder: Path) -> np.ndarray:
+    """Each held-out sequence's answer log-prob from plain ``log_softmax`` of ``lm``'s
+    logits, one sequence at a time."""
+    ids = np.load(folder / "val.ids.npy")
+    mask = np.load(folder / "val.mask.npy").astype(bool)
+    logps = []
+    with torch.no_grad():
+        for start, end in itertools.pairwise(np.load(folder / "val.offsets.npy")):
+            row = torch.as_tensor(ids[start:end].astype(np.int64))
+            picked = F.log_softmax(lm(row[None, :-1])[0].double(), -1)[
+                torch.arange(len(row) - 1), row[1:]
+            ]
+            logps.append(picked[torch.as_tensor(mask[start + 1 : end])].sum().item())
+    return np.array(logps)
+
+
 def test_preference_folder_against_plain_log_softmax(monkeypatch, tmp_path, capsys):
     """Each held-out sequence's answer log-prob from plain ``log_softmax`` of the model's
     logits, one sequence at a time; the accuracies and margin from those and from the
     reference log-probs the folder stores (written here); the answers scored against the
     chosen ones."""
     folder = _preference_folder(tmp_path)
-    ids = np.load(folder / "val.ids.npy")
     mask = np.load(folder / "val.mask.npy").astype(bool)
     offsets = np.load(folder / "val.offsets.npy")
     lm = _chat_model()
-    logps = []
-    with torch.no_grad():
-        for start, end in itertools.pairwise(offsets):
-            row = torch.as_tensor(ids[start:end].astype(np.int64))
-            picked = F.log_softmax(lm(row[None, :-1])[0].double(), -1)[
-                torch.arange(len(row) - 1), row[1:]
-            ]
-            logps.append(picked[torch.as_tensor(mask[start + 1 : end])].sum().item())
-    logps = np.array(logps)
+    logps = _plain_logps(lm, folder)
     reference = np.random.default_rng(0).normal(-20, 5, len(logps))
     np.save(folder / "val.ref_logps.npy", reference)
     results = _run_json(
@@ -494,6 +501,37 @@ def test_preference_folder_against_plain_log_softmax(monkeypatch, tmp_path, caps
     )
     assert results["loss"] == pytest.approx(-logps[0::2].sum() / chosen_tokens, rel=1e-5)
     assert results["exact_match"] is not None
+
+
+def test_a_named_reference_gives_the_margin_of_a_full_fine_tuning_run(
+    monkeypatch, tmp_path, capsys
+):
+    """A folder without stored reference log-probs (a run whose reference came from its
+    first pass) and ``--reference BASE``: the margin and the reference's accuracy from
+    BASE's plain ``log_softmax`` log-probs; with a text folder, refused in one line."""
+    folder = _preference_folder(tmp_path)
+    policy, base = _chat_model(), _chat_model()
+    with torch.no_grad():
+        for param in base.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    (tmp_path / "base.ckpt").write_bytes(b"stands for the base")
+    load = lambda path: base if Path(path).name == "base.ckpt" else policy  # noqa: E731
+    reference = f"--reference={tmp_path / 'base.ckpt'}"
+    results = _run_json(
+        monkeypatch, tmp_path, capsys, load, folder, reference, "--max_new_tokens=1"
+    )
+    logps, base_logps = _plain_logps(policy, folder), _plain_logps(base, folder)
+    gain = logps - base_logps
+    assert not np.allclose(logps, base_logps)
+    assert results["reward_margin"] == pytest.approx(
+        0.1 * np.mean(gain[0::2] - gain[1::2]), rel=1e-5
+    )
+    assert results["reference_accuracy"] == np.mean(base_logps[0::2] > base_logps[1::2])
+    assert results["preference_accuracy"] == np.mean(gain[0::2] > gain[1::2])
+    tokens = np.random.default_rng(0).integers(0, 64, 200).astype(np.uint16)
+    text = _llmc_folder(tmp_path / "text", tokens, np.ones(64, dtype=np.int64))
+    _evaluate(monkeypatch, tmp_path, load, text, reference, status=2)
+    assert "--reference scores a preference folder's pairs" in capsys.readouterr().err
 
 
 def test_beta_goes_with_a_preference_folder(monkeypatch, tmp_path, capsys):

@@ -121,7 +121,10 @@ class StepTotalsSampler(ResumableSampler):
 
     Args:
         dataset: The training pairs.
-        num_replicas, rank, shuffle, seed: As `ResumableSampler`'s (the tail dropped).
+        num_replicas: Data-parallel world size.
+        rank: Data-parallel rank.
+        shuffle: Shuffle each epoch.
+        seed: Base seed (as `ResumableSampler`'s; the tail is dropped).
         batch_size: Pairs per micro-batch (the loader drops a short last one).
         phase: ``() -> (accumulate, micro-batches Lightning has counted toward its
             steps before this iteration)``, from the trainer.
