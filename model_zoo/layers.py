@@ -82,7 +82,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:
-    """The attention mask of packed sequences: causal within each document, nothing across.
+    """The dense attention mask of packed sequences: causal within each document, nothing
+    across (what :class:`Documents` computes without it; kept as its reference and for
+    ``packed_attention="dense"``).
 
     A document starts wherever its position is 0 (a packed row holds several examples,
     each numbered from 0), so a token sees the earlier tokens of its own example only: the
@@ -101,6 +103,91 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
         positions.size(-1), positions.size(-1), dtype=torch.bool, device=positions.device
     ).tril_()
     return (same & causal)[:, None]  # (B, 1, T, T)
+
+
+class Documents:
+    """Where the documents of packed rows lie, for attention within each of them without a
+    ``T x T`` mask: memory linear in the row length.
+
+    Each document is one causal :func:`~torch.nn.functional.scaled_dot_product_attention`
+    over its own span of queries, keys and values, so every device takes its fused kernel
+    for causal attention without a mask (the CPU's flash kernel; on CUDA flash or
+    memory-efficient attention), which keeps a row's log-sum-exp rather than its attention
+    weights for the backward pass. The dense mask instead sends SDPA to its math path,
+    which keeps ``(B, heads, T, T)`` weights a layer.
+
+    Args:
+        spans: Each row's documents, ``(start, end)`` in order, covering the row.
+    """
+
+    def __init__(self, spans: list[list[tuple[int, int]]]) -> None:
+        self.spans = spans
+
+    @classmethod
+    def of(cls, positions: torch.Tensor) -> "Documents":
+        """The documents of ``positions`` ``(B, T)`` (a document starts at each 0, and at
+        the row's start): one host sync a forward, not a layer."""
+        T = positions.size(-1)
+        starts = (positions == 0).clone()
+        starts[:, 0] = True
+        spans = []
+        for row in starts.cpu().tolist():
+            begins = [t for t, start in enumerate(row) if start]
+            spans.append(list(zip(begins, [*begins[1:], T], strict=True)))
+        return cls(spans)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    ) -> torch.Tensor:
+        """Causal attention of ``q`` ``(B, nh, T, hs)`` within each document over ``k``,
+        ``v`` ``(B, nkv, T, hs)`` (grouped-query heads as ``enable_gqa``); ``(B, nh, T,
+        hs_v)``."""
+        gqa = q.size(1) != k.size(1)
+        rows = []
+        for b, spans in enumerate(self.spans):
+            parts = [
+                F.scaled_dot_product_attention(
+                    q[b : b + 1, :, s:e],
+                    k[b : b + 1, :, s:e],
+                    v[b : b + 1, :, s:e],
+                    dropout_p=dropout_p,
+                    is_causal=True,
+                    enable_gqa=gqa,
+                )
+                for s, e in spans
+            ]
+            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
+        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+
+
+def packed_mask(positions: torch.Tensor, how: str = "documents") -> "Documents | torch.Tensor":
+    """What packed rows of ``positions`` ``(B, T)`` attend under: their :class:`Documents`
+    (``how="documents"``: one fused causal attention a document, memory linear in the
+    row), or the dense :func:`document_mask` (``"dense"``: the reference, for comparison)."""
+    return document_mask(positions) if how == "dense" else Documents.of(positions)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: "torch.Tensor | Documents | None",
+    dropout_p: float,
+) -> torch.Tensor:
+    """Causal attention of ``q`` over ``k``, ``v`` (``(B, heads, T, hs)``): over the whole
+    row (``mask`` None), within each document of packed rows (:class:`Documents`), or
+    under a dense ``(B, 1, T, T)`` bool mask (:func:`document_mask`)."""
+    if isinstance(mask, Documents):
+        return mask.attend(q, k, v, dropout_p)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=mask is None,
+        enable_gqa=q.size(1) != k.size(1),
+    )
 
 
 class KVCache(nn.Module):
@@ -177,7 +264,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_pos: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        mask: "torch.Tensor | Documents | None" = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``(B, T, C)`` causally; with a KV cache and ``input_pos``, also to the past.
 
@@ -186,8 +273,8 @@ class Attention(nn.Module):
             rope: Cosines and sines for the T positions, ``(T, hs)`` each (``(B, 1, T, hs)``
                 for packed rows); None without RoPE.
             input_pos: Positions of the T tokens ``(T,)``; selects the KV cache path.
-            mask: ``(B, 1, T, T)`` bool, where a query may attend (:func:`document_mask`);
-                None: causal over the whole row.
+            mask: Packed rows: their :class:`Documents` (or a dense ``(B, 1, T, T)`` bool
+                mask, :func:`document_mask`); None: causal over the whole row.
         """
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, nh, hs)
@@ -202,15 +289,7 @@ class Attention(nn.Module):
             y = self._attend_cached(q, k, v, input_pos)
         else:
             dropout_p = self.dropout_p if self.training else 0.0
-            y = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=mask,
-                dropout_p=dropout_p,
-                is_causal=mask is None,
-                enable_gqa=q.size(1) != k.size(1),
-            )  # (B, nh, T, hs)
+            y = attend(q, k, v, mask, dropout_p)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_dropout(self.wo(y))
 

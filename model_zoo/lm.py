@@ -18,6 +18,9 @@ from plugintrain.model_zoo.pretrained import build_transformer, load_pretrained,
 from plugintrain.model_zoo.routing_stats import RoutingHooks
 from plugintrain.model_zoo.transformer import Transformer
 
+PACKED_ATTENTION = ("documents", "dense")
+"""How packed rows may attend (:attr:`Transformer.packed_attention`)."""
+
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: float) -> float:
     """Learning-rate multiplier: linear warmup, then cosine decay to ``min_lr_ratio``.
@@ -56,6 +59,8 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
             (each rank reads one tensor at a time and keeps its own part); a checkpoint
             resumed with ``--ckpt_path`` replaces them (a LoRA run's checkpoint holds only
             the adapters: the base still comes from here).
+        packed_attention: How packed rows attend: ``documents`` or ``dense`` (the
+            ``T x T`` mask, for comparison; :func:`~plugintrain.model_zoo.layers.packed_mask`).
     """
 
     def __init__(
@@ -67,8 +72,10 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         lr_decay_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         weights: str | None = None,
+        packed_attention: str = "documents",
     ) -> None:
         super().__init__()
+        self.packed_attention = _checked_packed_attention(packed_attention)
         # The optimizer is training setup, not part of the model, and a callable would stop
         # `load_from_checkpoint` from reading the checkpoint with `weights_only=True`.
         self.save_hyperparameters(ignore=["optimizer"])
@@ -77,21 +84,14 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         if weights is not None:  # checkpoints hold the architecture and need no weights file
             self.hparams["config"] = self.config
             del self.hparams["weights"]
-        self.optimizer = optimizer
-        self.weight_decay = weight_decay
-        self.warmup_steps = warmup_steps
-        self.lr_decay_steps = lr_decay_steps
-        self.min_lr_ratio = min_lr_ratio
+        self.optimizer, self.weight_decay, self.warmup_steps = optimizer, weight_decay, warmup_steps
+        self.lr_decay_steps, self.min_lr_ratio = lr_decay_steps, min_lr_ratio
         self.model: Transformer | None = None
-        # Training FLOPs of the latest batch on this device, for Lightning's ThroughputMonitor
-        # (MFU); set by training_step.
-        self.flops_per_batch = 0
+        self.flops_per_batch = 0  # the latest training batch's, for ThroughputMonitor (MFU)
         self.flops_per_token_adjustment = 0
         """Added to the config's training FLOPs per token: the LoRA callback sets it to what
         its steps add and skip (the adapters' matmuls; no weight gradients of frozen ones)."""
-        # The config's FLOPs per token by sequence length: summed block by block once, not
-        # at every training batch.
-        self._model_flops: dict[int, int] = {}
+        self._model_flops: dict[int, int] = {}  # FLOPs per token by sequence length, cached
         self.eval_metrics = torch.nn.ModuleDict({"val": EvalMetrics(), "test": EvalMetrics()})
         self.loss_mask = False
         """Whether the data masks targets (set at setup from the datamodule's ``loss_mask``,
@@ -103,6 +103,7 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         """Build the transformer, once (Lightning may call this hook more than once)."""
         if self.model is None:
             self.model = build_transformer(self.config, self.weights)
+            self.model.packed_attention = self.packed_attention
 
     @property
     def init_seed(self) -> int:
@@ -291,3 +292,12 @@ def _bits_per_byte(
 def _token_bytes_of(datamodule: L.LightningDataModule | None) -> torch.Tensor | None:
     """The UTF-8 bytes per token id of a datamodule that knows them, else None."""
     return datamodule.token_bytes if isinstance(datamodule, TokenBytesSource) else None
+
+
+def _checked_packed_attention(value: str) -> str:
+    if value not in PACKED_ATTENTION:
+        raise ValueError(
+            f"packed_attention={value!r}: use documents (attention within each document, no"
+            " T x T mask) or dense (the mask, for comparison)"
+        )
+    return value

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugintrain.model_zoo.config import MLAConfig, TransformerConfig
-from plugintrain.model_zoo.layers import apply_rope
+from plugintrain.model_zoo.layers import Documents, apply_rope, attend
 
 _LATENT_NORM_EPS = 1e-6
 """The latent norms' epsilon, whatever ``norm_eps`` the blocks' norms have: DeepSeek's
@@ -125,7 +125,7 @@ class MultiHeadLatentAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_pos: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | Documents | None = None,
     ) -> torch.Tensor:
         """Attend ``x`` ``(B, T, C)`` causally; with a KV cache and ``input_pos``, also to the past.
 
@@ -134,8 +134,8 @@ class MultiHeadLatentAttention(nn.Module):
             rope: Cosines and sines for the T positions, ``(T, qk_rope_head_dim)`` each
                 (``(B, 1, T, r)`` for packed rows).
             input_pos: Positions of the T tokens ``(T,)``; selects the KV cache path.
-            mask: ``(B, 1, T, T)`` bool of packed rows (``layers.document_mask``); None:
-                causal over the whole row.
+            mask: Packed rows' ``layers.Documents`` (or a dense ``(B, 1, T, T)`` bool
+                mask, ``layers.document_mask``); None: causal over the whole row.
         """
         assert rope is not None, "multi-head latent attention needs RoPE tables"
         mla = self.mla
@@ -163,8 +163,6 @@ class MultiHeadLatentAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             dropout_p = self.dropout_p if self.training else 0.0
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None
-            )
+            y = attend(q, k, v, mask, dropout_p)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * v_head_dim)
         return self.resid_dropout(self.wo(y))

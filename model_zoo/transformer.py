@@ -18,10 +18,11 @@ from plugintrain.core.initialization import draw_seed, seeded_normal_
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.layers import (
     Attention,
+    Documents,
     KVCache,
     build_feed_forward,
     build_norm,
-    document_mask,
+    packed_mask,
     rope_cache,
 )
 from plugintrain.model_zoo.mla import LatentKVCache, MultiHeadLatentAttention
@@ -51,7 +52,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         input_pos: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        mask: "torch.Tensor | Documents | None" = None,
     ) -> torch.Tensor:
         """Map hidden states ``(B, T, C)`` to ``(B, T, C)``; see :meth:`Attention.forward`."""
         h = x + self.attention(self.attention_norm(x), rope, input_pos, mask)
@@ -76,8 +77,8 @@ class Transformer(nn.Module):
         self.config = config
         self.init_seed = draw_seed()
         """What every weight's values derive from (see :meth:`init_weights`)."""
-        # Submodules' own default inits would advance the global generator on CPU but not
-        # on meta; init_weights overwrites them anyway.
+        self.packed_attention = "documents"  # or "dense": see layers.packed_mask
+        # Submodules' default inits move the global generator on CPU, not on meta (overwritten).
         with torch.random.fork_rng(devices=[]):
             self._build(config)
         if self.output.weight.device.type != "meta":
@@ -174,7 +175,7 @@ class Transformer(nn.Module):
                 read and write the KV cache set up by :meth:`setup_kv_cache`.
             positions: Packed rows instead: ``(B, T)`` position of each token in its own
                 example, 0 where an example starts; attention does not cross examples
-                (:func:`~plugintrain.model_zoo.layers.document_mask`).
+                (:func:`~plugintrain.model_zoo.layers.packed_mask`).
         """
         if positions is not None:
             pos = positions
@@ -215,9 +216,9 @@ class Transformer(nn.Module):
         rope = mask = None
         if self.rope_cos is not None:
             rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, r) or (B, T, r)
-        if positions.dim() == 2:  # packed rows: per-row angles (B, 1, T, r) and a mask
+        if positions.dim() == 2:  # packed rows: per-row angles (B, 1, T, r), their documents
             rope = None if rope is None else (rope[0][:, None], rope[1][:, None])
-            mask = document_mask(positions)
+            mask = packed_mask(positions, self.packed_attention)
         for key in keys:
             h = self.layers[key](h, rope, input_pos, mask)
         return h
