@@ -136,12 +136,13 @@ class Documents:
             spans.append(list(zip(begins, [*begins[1:], T], strict=True)))
         return cls(spans)
 
+    @torch.compiler.disable  # the spans change every batch: compiled, each would recompile
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
     ) -> torch.Tensor:
         """Causal attention of ``q`` ``(B, nh, T, hs)`` within each document over ``k``,
         ``v`` ``(B, nkv, T, hs)`` (grouped-query heads as ``enable_gqa``); ``(B, nh, T,
-        hs_v)``."""
+        hs_v)``. A compiled block runs it outside its graph."""
         gqa = q.size(1) != k.size(1)
         rows = []
         for b, spans in enumerate(self.spans):
@@ -157,7 +158,8 @@ class Documents:
                 for s, e in spans
             ]
             rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-        return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
+        # Contiguous whatever the spans (a compiled block's guards check strides).
+        return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)).contiguous()
 
 
 def packed_mask(positions: torch.Tensor, how: str = "documents") -> "Documents | torch.Tensor":

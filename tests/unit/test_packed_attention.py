@@ -64,3 +64,32 @@ def test_memory_grows_linearly_with_the_row() -> None:
     assert documents[1] / documents[0] == pytest.approx(2.0, rel=0.1)
     assert dense[1] / dense[0] > 3.5
     assert dense[1] > 5 * documents[1]
+
+
+def test_compiled_blocks_do_not_recompile_for_each_packing() -> None:
+    """A compiled model (as ``compile: true`` compiles each block) over rows packed three
+    different ways: the per-document attention runs outside the graphs, so they are
+    compiled for the first packing only, and the logits equal eager's."""
+    from plugintrain.model_zoo import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig.from_name("llama3-debug", vocab_size=64, n_layer=2, block_size=32)
+    model = Transformer(config)
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = {key: torch.compile(block, backend=backend) for key, block in model.layers.items()}
+    eager = dict(model.layers.items())
+    for lengths in ([[5, 11, 16]], [[32]], [[3, 3, 20, 6]]):
+        positions = _positions(lengths)
+        tokens = torch.randint(0, 64, positions.shape)
+        model.layers.update(compiled)
+        got = model(tokens, positions=positions)
+        if lengths == [[5, 11, 16]]:
+            first = len(graphs)
+        model.layers.update(eager)
+        torch.testing.assert_close(got, model(tokens, positions=positions))
+    assert first > 0 and len(graphs) == first
