@@ -4,6 +4,7 @@ Plain single-device PyTorch. Head counts are never baked into reshapes (``view(B
 hs)``), so a tensor-parallel plan can shard the heads of ``wq``/``wk``/``wv`` from outside.
 """
 
+import itertools
 import math
 
 import torch
@@ -107,59 +108,84 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
 
 class Documents:
     """Where the documents of packed rows lie, for attention within each of them without a
-    ``T x T`` mask: memory linear in the row length.
+    ``T x T`` mask: memory linear in the row length, and no work on the blocks between
+    documents.
 
     Each document is one causal :func:`~torch.nn.functional.scaled_dot_product_attention`
-    over its own span of queries, keys and values, so every device takes its fused kernel
-    for causal attention without a mask (the CPU's flash kernel; on CUDA flash or
-    memory-efficient attention), which keeps a row's log-sum-exp rather than its attention
-    weights for the backward pass. The dense mask instead sends SDPA to its math path,
-    which keeps ``(B, heads, T, T)`` weights a layer.
+    over its own span of queries, keys and values, with no mask: SDPA's fused kernels where
+    their conditions hold (on CPU the flash kernel, without dropout; on CUDA flash or
+    memory-efficient attention, by dtype and head sizes), which keep a log-sum-exp rather
+    than attention weights for the backward. The dense mask costs ``(B, T, T)`` bytes and
+    the whole row's attention in any case. Each row is split once into its documents, so
+    the backward gathers each row's gradient once, however many documents it holds.
+
+    Inside a compiled graph (``compile: true``, with or without recomputation) the dense
+    mask is traced instead, from :attr:`positions`: a graph that depends on the spans would
+    recompile for every packing.
 
     Args:
-        spans: Each row's documents, ``(start, end)`` in order, covering the row.
+        positions: ``(B, T)`` position of each token within its document (0 where one
+            starts); the spans are read from it on first use (one host sync a forward).
     """
 
-    def __init__(self, spans: list[list[tuple[int, int]]]) -> None:
-        self.spans = spans
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self._lengths: list[list[int]] | None = None
 
     @classmethod
     def of(cls, positions: torch.Tensor) -> "Documents":
-        """The documents of ``positions`` ``(B, T)`` (a document starts at each 0, and at
-        the row's start): one host sync a forward, not a layer."""
-        T = positions.size(-1)
-        starts = (positions == 0).clone()
-        starts[:, 0] = True
-        spans = []
-        for row in starts.cpu().tolist():
-            begins = [t for t, start in enumerate(row) if start]
-            spans.append(list(zip(begins, [*begins[1:], T], strict=True)))
-        return cls(spans)
+        """The documents of ``positions`` ``(B, T)``: a document starts at each 0, and at
+        the row's start."""
+        return cls(positions)
 
-    @torch.compiler.disable  # the spans change every batch: compiled, each would recompile
+    @property
+    def spans(self) -> list[list[tuple[int, int]]]:
+        """Each row's documents, ``(start, end)`` in order, covering the row."""
+        return [list(itertools.pairwise(itertools.accumulate([0, *row]))) for row in self.lengths]
+
+    @property
+    def lengths(self) -> list[list[int]]:
+        """Each row's documents' lengths, in order (read once)."""
+        if self._lengths is None:
+            starts = (self.positions == 0).clone()
+            starts[:, 0] = True
+            T = self.positions.size(-1)
+            rows = []
+            for row in starts.cpu().tolist():
+                begins = [t for t, start in enumerate(row) if start]
+                rows.append([e - s for s, e in itertools.pairwise([*begins, T])])
+            self._lengths = rows
+        return self._lengths
+
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
     ) -> torch.Tensor:
         """Causal attention of ``q`` ``(B, nh, T, hs)`` within each document over ``k``,
         ``v`` ``(B, nkv, T, hs)`` (grouped-query heads as ``enable_gqa``); ``(B, nh, T,
-        hs_v)``. A compiled block runs it outside its graph."""
+        hs_v)``."""
         gqa = q.size(1) != k.size(1)
+        if torch.compiler.is_compiling():  # traced once, whatever the packing
+            mask = document_mask(self.positions)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa
+            )
         rows = []
-        for b, spans in enumerate(self.spans):
+        for qb, kb, vb, lengths in zip(
+            q.unbind(0), k.unbind(0), v.unbind(0), self.lengths, strict=True
+        ):
             parts = [
                 F.scaled_dot_product_attention(
-                    q[b : b + 1, :, s:e],
-                    k[b : b + 1, :, s:e],
-                    v[b : b + 1, :, s:e],
-                    dropout_p=dropout_p,
-                    is_causal=True,
-                    enable_gqa=gqa,
+                    qd, kd, vd, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
                 )
-                for s, e in spans
+                for qd, kd, vd in zip(
+                    qb.split(lengths, dim=1),
+                    kb.split(lengths, dim=1),
+                    vb.split(lengths, dim=1),
+                    strict=True,
+                )
             ]
-            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-        # Contiguous whatever the spans (a compiled block's guards check strides).
-        return (rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)).contiguous()
+            rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return torch.stack(rows)
 
 
 def packed_mask(positions: torch.Tensor, how: str = "documents") -> "Documents | torch.Tensor":

@@ -23,6 +23,7 @@ def test_documents_attend_as_the_dense_mask(heads: int, kv_heads: int) -> None:
     reference, for rows of several documents, one document and a 1-token one."""
     torch.manual_seed(0)
     positions = _positions([[5, 1, 7, 3], [16], [3, 13]])
+    positions[2, :3] += 4  # a row that starts inside a document (its positions 4, 5, 6)
     B, T = positions.shape
     q = torch.randn(B, heads, T, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(B, kv_heads, T, 8, dtype=torch.float64, requires_grad=True)
@@ -93,3 +94,49 @@ def test_compiled_blocks_do_not_recompile_for_each_packing() -> None:
         model.layers.update(eager)
         torch.testing.assert_close(got, model(tokens, positions=positions))
     assert first > 0 and len(graphs) == first
+
+
+def test_compiled_recomputed_blocks_compile_once_with_the_same_gradients() -> None:
+    """Recomputation around a compiled block (``activation_checkpointing`` with ``compile:
+    true``): the block still compiles (the traced dense mask, no break inside the
+    checkpoint), once for three packings, with eager's gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    from plugintrain.model_zoo import Transformer, TransformerConfig
+
+    torch.manual_seed(0)
+    config = TransformerConfig.from_name("llama3-debug", vocab_size=64, n_layer=1, block_size=32)
+    model = Transformer(config).double()
+    block = model.layers["0"]
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    def recomputed(h, rope, mask):
+        return checkpoint(block, h, rope, None, mask, use_reentrant=False)
+
+    compiled = torch.compile(recomputed, backend=backend)
+    for lengths in ([[5, 11, 16]], [[32]], [[3, 3, 20, 6]]):
+        positions = _positions(lengths)
+        h = torch.randn(1, 32, config.n_embd, dtype=torch.float64, requires_grad=True)
+        rope = (model.rope_cos[positions][:, None], model.rope_sin[positions][:, None])
+        documents = Documents.of(positions)
+        got = compiled(h, rope, documents)
+        (grad,) = torch.autograd.grad(got.sum(), h)
+        expected = block(h, rope, None, documents)
+        (expected_grad,) = torch.autograd.grad(expected.sum(), h)
+        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(grad, expected_grad)
+    assert len(graphs) == 1
+
+
+def test_causal_lm_hands_packed_attention_to_its_model() -> None:
+    from plugintrain.model_zoo import CausalLM
+
+    module = CausalLM(config="llama3-debug", packed_attention="dense")
+    module.configure_model()
+    assert module.model.packed_attention == "dense"
+    with pytest.raises(ValueError, match=r"packed_attention='sparse': use documents"):
+        CausalLM(config="llama3-debug", packed_attention="sparse")
