@@ -94,7 +94,7 @@ from dpo_vs_trl import (
     ensure_assets,
     fit_batches,
 )
-from lora_vs_litgpt import RESULT, TARGETS, _initial_adapters, _PluginTrainSteps, _run_worker
+from lora_vs_litgpt import RESULT, TARGETS, _initial_adapters, _PluginTrainSteps, alternate
 
 KINDS = ("lora_dpo", "lora_sft", "full_dpo", "full_sft", "full_dpo_pass")
 PAIRS_OF_KINDS = (("lora_dpo", "lora_sft"), ("full_dpo", "full_sft"), ("full_dpo_pass", "full_sft"))
@@ -114,18 +114,8 @@ def _worker_command(kind: str, work: Path, assets: dict[str, Path], args: argpar
     ]
 
 
-def _measure(
-    commands: dict[str, list[str]], rounds: int, kinds: list[str]
-) -> dict[str, list[dict[str, Any]]]:
-    """Every kind once a round, each in a fresh process."""
-    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
-    for round_ in range(rounds):
-        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:
-            result = _run_worker(commands[kind])
-            runs[kind].append(result)
-            peak = result["rss_peak_bytes"] / MiB
-            print(f"round {round_ + 1}: {kind:<9} training RSS peak {peak:6.0f} MiB", flush=True)
-    return runs
+def _peak(name: str, result: dict[str, Any]) -> str:
+    return f"{name:<9} training RSS peak {result['rss_peak_bytes'] / MiB:6.0f} MiB"
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -266,7 +256,7 @@ def main() -> None:
         adapters = _initial_adapters(torch.Generator().manual_seed(SEED))
         torch.save(adapters, Path(work) / "adapters.pt")
         commands = {kind: _worker_command(kind, Path(work), assets, args) for kind in args.kinds}
-        runs = _measure(commands, args.rounds, args.kinds)
+        runs = alternate(commands, args.rounds, _peak)
     results = {kind: _summary(runs[kind]) for kind in args.kinds}
     print()
     print(_report(results, args))

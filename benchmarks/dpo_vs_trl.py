@@ -95,7 +95,8 @@ from lora_vs_litgpt import (
     _PluginTrainSteps,
     _Recorder,
     _run,
-    _run_worker,
+    alternate,
+    comparison_tail,
 )
 
 # Nothing from TRL or transformers at the top: the plugintrain worker must not load them
@@ -239,25 +240,14 @@ def _worker_command(system: str, work: Path, weights: Path, args: argparse.Names
     ]
 
 
-def _alternate(
-    commands: dict[str, list[str]], rounds: int, tokens: list[int]
-) -> dict[str, list[dict[str, Any]]]:
-    """Every system once a round, in fresh processes, the order swapped each round."""
-    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
-    for round_ in range(rounds):
-        order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
-        for system in order:
-            result = _run_worker(commands[system])
-            runs[system].append(result)
-            rate = statistics.median(_rates(result, tokens))
-            print(f"round {round_ + 1}: {system:<11} {rate:6.1f} tokens/s", flush=True)
-    return runs
-
-
 def _rates(run: dict[str, Any], tokens: list[int]) -> list[float]:
     """Tokens/s of each timed step of a run (the last ``len(step_seconds)`` steps)."""
     timed = tokens[len(tokens) - len(run["step_seconds"]) :]
     return [n / s for n, s in zip(timed, run["step_seconds"], strict=True)]
+
+
+def _describe(name: str, result: dict[str, Any], tokens: list[int]) -> str:
+    return f"{name:<11} {statistics.median(_rates(result, tokens)):6.1f} tokens/s"
 
 
 def _summary(runs: list[dict[str, Any]], tokens: list[int]) -> dict[str, Any]:
@@ -297,19 +287,7 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace, tokens
             f" | {r['trainable']:,} | {statistics.mean(r['width']):.1f}"
             f" | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |"
         )
-    ours, theirs = results["plugintrain"]["tokens_per_s_runs"], base["tokens_per_s_runs"]
-    rounds = [a / b for a, b in zip(ours, theirs, strict=True)]  # each round's two runs
-    listed = ", ".join(f"{x:.2f}" for x in rounds)
-    lines += [
-        "",
-        f"plugintrain / TRL round by round: {listed} (median {statistics.median(rounds):.2f})",
-    ]
-    for system in SYSTEMS:
-        r = results[system]
-        agree = "agree" if r["losses_agree"] else "DIFFER between runs"
-        losses = " ".join(f"{loss:.4f}" for loss in r["losses"])
-        lines.append(f"{system} losses (run 1; runs {agree}): {losses}")
-        lines.append(f"{system} RSS once loaded: {r['rss_loaded_mib']:.0f} MiB")
+    lines += comparison_tail(results, BASELINE, "TRL")
     ours_losses, base_losses = results["plugintrain"]["losses"], base["losses"]
     gap = max(abs(a - b) for a, b in zip(ours_losses, base_losses, strict=True))
     lines.append(f"largest loss difference, plugintrain - TRL: {gap:.2e}")
@@ -479,7 +457,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         _write_inputs(Path(work), pairs)
         commands = {s: _worker_command(s, Path(work), assets["hf"], args) for s in SYSTEMS}
-        runs = _alternate(commands, args.rounds, tokens)
+        runs = alternate(commands, args.rounds, functools.partial(_describe, tokens=tokens))
     results = {system: _summary(runs[system], tokens) for system in SYSTEMS}
     print()
     print(_report(results, args, sum(tokens[args.warmup + 1 :])))

@@ -249,17 +249,44 @@ def _run_worker(command: list[str]) -> dict[str, Any]:
     return json.loads(lines[-1][len(RESULT) :])
 
 
-def _alternate(commands: dict[str, list[str]], rounds: int) -> dict[str, list[dict[str, Any]]]:
-    """Every system once a round, in fresh processes, the order swapped each round."""
-    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in SYSTEMS}
+def alternate(
+    commands: dict[str, list[str]], rounds: int, describe: Callable[[str, dict[str, Any]], str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Every command (by name, in order) once a round, each in a fresh process, the order
+    reversed every other round; prints ``describe(result)`` after each run."""
+    names = list(commands)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for round_ in range(rounds):
-        order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
-        for system in order:
-            result = _run_worker(commands[system])
-            runs[system].append(result)
-            tokens = BATCH * SEQ / statistics.median(result["step_seconds"])
-            print(f"round {round_ + 1}: {system:<11} {tokens:6.1f} tokens/s", flush=True)
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            result = _run_worker(commands[name])
+            runs[name].append(result)
+            print(f"round {round_ + 1}: {describe(name, result)}", flush=True)
     return runs
+
+
+def _tokens_per_s(name: str, result: dict[str, Any]) -> str:
+    return f"{name:<11} {BATCH * SEQ / statistics.median(result['step_seconds']):6.1f} tokens/s"
+
+
+def comparison_tail(results: dict[str, dict[str, Any]], baseline: str, label: str) -> list[str]:
+    """The report's lines after its table: plugintrain's tokens/s over the ``baseline``'s
+    (called ``label``) round by round, then each system's losses and resident memory."""
+    ours, theirs = (
+        results["plugintrain"]["tokens_per_s_runs"],
+        results[baseline]["tokens_per_s_runs"],
+    )
+    rounds = [a / b for a, b in zip(ours, theirs, strict=True)]  # each round's two runs
+    listed = ", ".join(f"{x:.2f}" for x in rounds)
+    lines = [
+        "",
+        f"plugintrain / {label} round by round: {listed} (median {statistics.median(rounds):.2f})",
+    ]
+    for system, r in results.items():
+        agree = "agree" if r["losses_agree"] else "DIFFER between runs"
+        losses = " ".join(f"{loss:.4f}" for loss in r["losses"])
+        lines.append(f"{system} losses (run 1; runs {agree}): {losses}")
+        lines.append(f"{system} RSS once loaded: {r['rss_loaded_mib']:.0f} MiB")
+    return lines
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -298,20 +325,7 @@ def _report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str
             f" | {runs} | {r['rss_peak_mib']:.0f} | {r['step_peak_mib']:.0f}"
             f" | {r['trainable']:,} | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |"
         )
-    ours, theirs = results["plugintrain"]["tokens_per_s_runs"], base["tokens_per_s_runs"]
-    rounds = [a / b for a, b in zip(ours, theirs, strict=True)]  # each round's two runs
-    listed = ", ".join(f"{x:.2f}" for x in rounds)
-    lines += [
-        "",
-        f"plugintrain / LitGPT round by round: {listed} (median {statistics.median(rounds):.2f})",
-    ]
-    for system in SYSTEMS:
-        r = results[system]
-        agree = "agree" if r["losses_agree"] else "DIFFER between runs"
-        losses = " ".join(f"{loss:.4f}" for loss in r["losses"])
-        lines.append(f"{system} losses (run 1; runs {agree}): {losses}")
-        lines.append(f"{system} RSS once loaded: {r['rss_loaded_mib']:.0f} MiB")
-    return "\n".join(lines)
+    return "\n".join(lines + comparison_tail(results, BASELINE, "LitGPT"))
 
 
 # ---------------------------------------------------------------- workers (children)
@@ -577,7 +591,7 @@ def main() -> None:
         _write_inputs(Path(work), assets["data"], args)
         weights = {"plugintrain": assets["hf"], BASELINE: assets["litgpt"]}
         commands = {s: _worker_command(s, Path(work), weights[s], args) for s in SYSTEMS}
-        runs = _alternate(commands, args.rounds)
+        runs = alternate(commands, args.rounds, _tokens_per_s)
     results = {system: _summary(runs[system]) for system in SYSTEMS}
     print()
     print(_report(results, args))

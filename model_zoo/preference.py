@@ -498,7 +498,9 @@ class PreferenceLM(CausalLM):
             chosen_rows = row_targets(targets)
             chosen_rows[1::2] = IGNORE_INDEX
             row_nll = (sequence_logps(logits, chosen_rows).sum(), (chosen_rows >= 0).sum())
-        denominator = _nll_denominator(step_totals(targets), len(logps) // 2, self.preference)
+        denominator = None  # only an objective with an NLL term reads the step's totals
+        if self.preference.objective == "orpo" or self.preference.sft_weight:
+            denominator = _nll_denominator(step_totals(targets), len(logps) // 2, self.preference)
         loss, stats = self.preference(logps, counts, reference, row_nll, denominator)
         for name, value in stats.items():
             self._stats.setdefault(name, []).append(value)
