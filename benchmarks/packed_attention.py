@@ -17,8 +17,11 @@ difference between the two paths' losses over every step.
 LoRA recipe at batch 2 peak at 12.9 GiB of RSS on CPU; at most 3 GiB, the same losses):
 ``plugintrain fit --config recipes/smollm2_lora_chat_cpu.yaml`` on the dates set prepared
 with ``plugintrain prepare chat`` at its defaults (2,048-token rows), ``--chat-steps`` steps,
-no validation, each path in a fresh process (its checkpoints in a temporary folder);
-reported: the process's peak RSS (``wait4``'s ``ru_maxrss``) and its logged losses.
+no validation, each run in a fresh process (its checkpoints in a temporary folder): the
+recipe as it shipped before (one device, the logits whole; with the dense mask, the
+baseline, and with documents) and as it ships now (:data:`RECIPE_VARIANTS`); reported:
+the process's peak RSS (``wait4``'s ``ru_maxrss``), its time, and the largest relative
+difference of its logged losses from the baseline's.
 """
 
 from __future__ import annotations
@@ -131,9 +134,26 @@ def _chat_data() -> Path:
     return DATA
 
 
-def _fit(path: str, steps: int, work: Path) -> dict[str, Any]:
-    """The chat recipe fitted ``steps`` steps under ``path`` in a fresh process."""
-    out = work / path
+RECIPE_VARIANTS = {
+    # The recipe as it shipped before issue 46: one device, logits whole, dense mask.
+    "dense, whole logits": (
+        "--model.init_args.packed_attention=dense",
+        "--trainer.strategy=auto",
+        "--model.init_args.fused_head_loss=false",
+    ),
+    "documents, whole logits": (
+        "--trainer.strategy=auto",
+        "--model.init_args.fused_head_loss=false",
+    ),
+    # The shipped recipe: documents, full recomputation, the head fused with the loss.
+    "shipped recipe": (),
+}
+"""Each chat-recipe run of :func:`memory`: its name -> the overrides of the shipped recipe."""
+
+
+def _fit(variant: str, steps: int, work: Path) -> dict[str, Any]:
+    """The chat recipe fitted ``steps`` steps as ``variant`` in a fresh process."""
+    out = work / variant.replace(" ", "_").replace(",", "")
     command = [
         sys.executable,
         "-m",
@@ -147,14 +167,14 @@ def _fit(path: str, steps: int, work: Path) -> dict[str, Any]:
         "--trainer.log_every_n_steps=1",
         f"--trainer.logger.init_args.save_dir={out}",
         f"--trainer.default_root_dir={out}",
-        f"--model.init_args.packed_attention={path}",
+        *RECIPE_VARIANTS[variant],
     ]
     started = time.perf_counter()
     proc = subprocess.Popen(command, cwd=REPO)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        sys.exit(f"{path}: plugintrain fit exited with {proc.returncode}")
+        sys.exit(f"{variant}: plugintrain fit exited with {proc.returncode}")
     return {
         "rss_peak_gib": usage.ru_maxrss * 1024 / 2**30,
         "seconds": time.perf_counter() - started,
@@ -173,12 +193,14 @@ def _losses(out: Path) -> list[float]:
 
 def memory(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as work:
-        runs = {path: _fit(path, args.chat_steps, Path(work)) for path in PATHS[::-1]}
-    for path, run in runs.items():
-        print(f"chat recipe, {path:<9} peak RSS {run['rss_peak_gib']:.2f} GiB", flush=True)
+        runs = {name: _fit(name, args.chat_steps, Path(work)) for name in RECIPE_VARIANTS}
+    for name, run in runs.items():
+        print(f"chat recipe, {name:<24} peak RSS {run['rss_peak_gib']:.2f} GiB", flush=True)
+    baseline = runs["dense, whole logits"]["losses"]
     worst = max(
         abs(a - b) / abs(b)
-        for a, b in zip(runs["documents"]["losses"], runs["dense"]["losses"], strict=True)
+        for run in runs.values()
+        for a, b in zip(run["losses"], baseline, strict=True)
     )
     return {"runs": runs, "loss_rel_diff": worst}
 
@@ -208,9 +230,8 @@ def main() -> None:
     if "memory" in results:
         m = results["memory"]
         print(f"\nchat recipe at 2,048-token rows, batch 2, {args.chat_steps} steps:")
-        for path in PATHS:
-            run = m["runs"][path]
-            print(f"  {path:<9} peak RSS {run['rss_peak_gib']:.2f} GiB, {run['seconds']:.0f} s")
+        for name, run in m["runs"].items():
+            print(f"  {name:<24} peak RSS {run['rss_peak_gib']:.2f} GiB, {run['seconds']:.0f} s")
         print(f"  losses within {m['loss_rel_diff']:.1e}")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

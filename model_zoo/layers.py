@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
+from plugintrain.model_zoo.context_parallel import ContextAttention
 
 
 def build_norm(config: TransformerConfig) -> nn.Module:
@@ -199,12 +200,17 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: "torch.Tensor | Documents | None",
+    mask: "torch.Tensor | Documents | ContextAttention | None",
     dropout_p: float,
 ) -> torch.Tensor:
     """Causal attention of ``q`` over ``k``, ``v`` (``(B, heads, T, hs)``): over the whole
     row (``mask`` None), within each document of packed rows (:class:`Documents`), or
-    under a dense ``(B, 1, T, T)`` bool mask (:func:`document_mask`)."""
+    under a dense ``(B, 1, T, T)`` bool mask (:func:`document_mask`); under context
+    parallelism, this rank's queries over every rank's keys (a
+    :class:`~plugintrain.model_zoo.context_parallel.ContextAttention`, which has no
+    dropout: the strategy refuses dropout with cp)."""
+    if isinstance(mask, ContextAttention):
+        return mask.attend(q, k, v)
     if isinstance(mask, Documents):
         return mask.attend(q, k, v, dropout_p)
     return F.scaled_dot_product_attention(

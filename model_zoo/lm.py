@@ -8,9 +8,14 @@ import torch
 from lightning.pytorch.cli import OptimizerCallable
 
 from plugintrain.checkpoints.portable import PortableCheckpoints
+from plugintrain.core.context_shard import ContextShard
 from plugintrain.core.contracts import TokenBytesSource
 from plugintrain.model_zoo.config import TransformerConfig
-from plugintrain.model_zoo.cross_entropy import IGNORE_INDEX, token_cross_entropy
+from plugintrain.model_zoo.cross_entropy import (
+    IGNORE_INDEX,
+    head_cross_entropy,
+    token_cross_entropy,
+)
 from plugintrain.model_zoo.families import tp_plan
 from plugintrain.model_zoo.generation import TextGenerator
 from plugintrain.model_zoo.metrics import EvalMetrics, bits_per_byte
@@ -35,7 +40,49 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModule):
+class StepAccounting:
+    """What a :class:`CausalLM` counts of its training batches: their FLOPs (for the
+    throughput monitor's MFU) and, with a loss mask, their scored targets (for the
+    precision plugin's mean over the step's targets)."""
+
+    config: TransformerConfig
+    model: Transformer | None
+    loss_mask: bool
+    flops_per_batch: int
+    flops_per_token_adjustment: int
+    _model_flops: dict[int, int]
+    _target_counts: torch.Tensor | None
+
+    def count_flops(self, x: torch.Tensor, extra_forwards: int = 0) -> None:
+        """Set :attr:`flops_per_batch` for training inputs ``x`` ``(B, T)``, with
+        ``extra_forwards`` no-grad forwards (a third of a training step's FLOPs each)."""
+        seq_len = x.size(1)
+        if seq_len not in self._model_flops:
+            self._model_flops[seq_len] = self.config.flops_per_token(seq_len)
+        per_token = self._model_flops[seq_len] + self.flops_per_token_adjustment
+        per_token += extra_forwards * (self._model_flops[seq_len] // 3)
+        # The replica's FLOPs, as under tp: the throughput monitor divides by its devices.
+        self.flops_per_batch = per_token * x.numel()
+
+    def _count_targets(self, scored: torch.Tensor, positions: int) -> None:
+        counts = torch.stack((scored.double(), scored.new_full((), positions, dtype=torch.float64)))
+        total = self._target_counts
+        self._target_counts = counts if total is None else total + counts
+
+    def take_target_counts(self) -> torch.Tensor | None:
+        """Scored targets and positions of the training batches since the last call, as a
+        float64 ``(2,)`` tensor; None when the data has no loss mask (the precision plugin
+        then leaves the gradients as they are). Every rank of a run answers alike."""
+        if not self.loss_mask:
+            return None
+        counts = self._target_counts
+        self._target_counts = None
+        if counts is None:  # e.g. a pipeline rank that ran no training step of its own
+            return torch.zeros(2, dtype=torch.float64, device=self.device)
+        return counts
+
+
+class CausalLM(StepAccounting, PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModule):
     """A decoder-only language model trained on next-token prediction.
 
     The transformer is built in :meth:`configure_model`, so a strategy can build it on the
@@ -61,6 +108,8 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
             the adapters: the base still comes from here).
         packed_attention: How packed rows attend: ``documents`` or ``dense`` (the
             ``T x T`` mask, for comparison; :func:`~plugintrain.model_zoo.layers.packed_mask`).
+        fused_head_loss: The LM head fused into the loss, no ``(B, T, V)`` logits whole
+            (:func:`~plugintrain.model_zoo.cross_entropy.head_cross_entropy`; not tp/pp/FSDP2).
     """
 
     def __init__(
@@ -73,9 +122,11 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         min_lr_ratio: float = 0.1,
         weights: str | None = None,
         packed_attention: str = "documents",
+        fused_head_loss: bool = False,
     ) -> None:
         super().__init__()
         self.packed_attention = _checked_packed_attention(packed_attention)
+        self.fused_head_loss = fused_head_loss
         # The optimizer is training setup, not part of the model, and a callable would stop
         # `load_from_checkpoint` from reading the checkpoint with `weights_only=True`.
         self.save_hyperparameters(ignore=["optimizer"])
@@ -96,7 +147,7 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         self.loss_mask = False
         """Whether the data masks targets (set at setup from the datamodule's ``loss_mask``,
         the same on every rank): the training steps then count their scored targets and
-        positions, and :meth:`take_target_counts` hands them to the precision plugin."""
+        positions, and ``take_target_counts()`` hands them to the precision plugin."""
         self._target_counts: torch.Tensor | None = None
 
     def configure_model(self) -> None:
@@ -139,14 +190,28 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         """Fp32 cross-entropy of ``logits`` ``(B, T, V)`` against ``targets`` ``(B, T)``: the
         summed loss of the scored targets (not ``IGNORE_INDEX``) over the ``B * T``
         positions, the mean when nothing is masked (see
-        :func:`~plugintrain.model_zoo.cross_entropy.token_cross_entropy`)."""
+        :func:`~plugintrain.model_zoo.cross_entropy.token_cross_entropy`).
+
+        Under context parallelism: over this rank's chunks of the rows, whose mean over the
+        cp ranks (as the gradients are averaged over dp x cp) is the rows' loss."""
+        context = self.model.context if self.model is not None else None
+        if context is not None and targets.size(1) != logits.size(1):
+            targets = context.take(targets)
         return token_cross_entropy(logits, targets)
+
+    def split_sequences(self, shard: ContextShard) -> None:
+        """Hold only ``shard``'s chunks of every sequence from now on (context parallelism,
+        :class:`~plugintrain.core.contracts.SplitsSequences`; the strategy calls it)."""
+        assert self.model is not None
+        self.model.context = shard
+        for _, moe in self.model.moe_layers():  # balance losses over whole sequences
+            moe.context_group = shard.group
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         """Next-token loss on ``(x, y)`` int64 ``(B, T)``, or ``(x, y, positions)`` of packed
         rows; logs ``train_loss``, ``train_ppl`` and, given the bytes per token,
         ``train_bpb``."""
-        loss = self.loss_fn(self(*_model_inputs(batch)), batch[1])
+        loss = self.batch_loss(batch)
         self.record_loss("train", loss, batch)
         aux = self.model.take_aux_loss()  # MoE balance losses (logged as moe/aux_loss)
         if aux is not None and self.loss_mask:
@@ -159,11 +224,18 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         """Logs ``val_loss``, ``val_ppl`` and, given the bytes per token, ``val_bpb``."""
-        self.record_loss("val", self.loss_fn(self(*_model_inputs(batch)), batch[1]), batch)
+        self.record_loss("val", self.batch_loss(batch), batch)
 
     def test_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         """Logs ``test_loss``, ``test_ppl`` and, given the bytes per token, ``test_bpb``."""
-        self.record_loss("test", self.loss_fn(self(*_model_inputs(batch)), batch[1]), batch)
+        self.record_loss("test", self.batch_loss(batch), batch)
+
+    def batch_loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """:meth:`loss_fn` of the model's logits on ``batch``; with ``fused_head_loss`` the
+        head and the loss fused, with no logits kept."""
+        if self.fused_head_loss:
+            return _fused_head_loss(self.model, batch)
+        return self.loss_fn(self(*_model_inputs(batch)), batch[1])
 
     def record_loss(self, stage: str, loss: torch.Tensor, batch: tuple[torch.Tensor, ...]) -> None:
         """Log the mean loss of ``batch``'s scored targets for ``stage``, and FLOPs or the
@@ -178,6 +250,7 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
             batch: The ``(x, y[, positions])`` batch it was computed on.
         """
         x, y = batch[0], batch[1]
+        loss = _mean_over_context(self.model, loss)
         scored = (y != IGNORE_INDEX).sum() if self.loss_mask else None
         if scored is not None:  # the per-position loss as the mean over the scored targets
             loss = loss * y.numel() / scored.clamp(min=1)
@@ -196,33 +269,6 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
         for name, metric in self.eval_metrics[stage].update(loss, y).items():
             self.log(f"{stage}_{name}", metric)
 
-    def count_flops(self, x: torch.Tensor, extra_forwards: int = 0) -> None:
-        """Set :attr:`flops_per_batch` for training inputs ``x`` ``(B, T)``, with
-        ``extra_forwards`` no-grad forwards (a third of a training step's FLOPs each)."""
-        seq_len = x.size(1)
-        if seq_len not in self._model_flops:
-            self._model_flops[seq_len] = self.config.flops_per_token(seq_len)
-        per_token = self._model_flops[seq_len] + self.flops_per_token_adjustment
-        per_token += extra_forwards * (self._model_flops[seq_len] // 3)
-        self.flops_per_batch = per_token * x.numel()
-
-    def _count_targets(self, scored: torch.Tensor, positions: int) -> None:
-        counts = torch.stack((scored.double(), scored.new_full((), positions, dtype=torch.float64)))
-        total = self._target_counts
-        self._target_counts = counts if total is None else total + counts
-
-    def take_target_counts(self) -> torch.Tensor | None:
-        """Scored targets and positions of the training batches since the last call, as a
-        float64 ``(2,)`` tensor; None when the data has no loss mask (the precision plugin
-        then leaves the gradients as they are). Every rank of a run answers alike."""
-        if not self.loss_mask:
-            return None
-        counts = self._target_counts
-        self._target_counts = None
-        if counts is None:  # e.g. a pipeline rank that ran no training step of its own
-            return torch.zeros(2, dtype=torch.float64, device=self.device)
-        return counts
-
     def check_launch(self, trainer: L.Trainer, datamodule: L.LightningDataModule | None) -> None:
         """Refuse preference pairs (a ``PreferenceLM``'s data) in one line: ``plugintrain
         fit`` calls it before any process is launched, :meth:`setup` again."""
@@ -232,6 +278,9 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
                 f" {type(self).__name__} does not train on; use `model: class_path:"
                 " plugintrain.model_zoo.PreferenceLM` (DPO and its family)"
             )
+        problem = _fused_head_problem(trainer.strategy) if self.fused_head_loss else None
+        if problem is not None:
+            raise ValueError(problem)
 
     def setup(self, stage: str) -> None:
         """Bits per byte take the bytes per token id of a datamodule that knows them."""
@@ -273,6 +322,49 @@ class CausalLM(PortableCheckpoints, RoutingHooks, TextGenerator, L.LightningModu
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": self.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
+
+
+def _mean_over_context(model: Transformer | None, loss: torch.Tensor) -> torch.Tensor:
+    """The rows' per-position loss from this rank's share of it under context parallelism
+    (every cp rank holds as many positions): the mean over the cp group, for logging
+    (detached; the strategy averages the gradients). ``loss`` itself otherwise."""
+    context = model.context if model is not None else None
+    if context is None or context.size == 1:
+        return loss
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total, group=context.group)
+    return total / context.size
+
+
+def _fused_head_loss(model: Transformer, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The loss of ``batch`` with the head fused into it (``fused_head_loss``): a plain
+    bias-free Linear head only (not one with a LoRA adapter or a quantized weight)."""
+    head = model.output
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        raise ValueError(
+            f"fused_head_loss=True needs a plain Linear LM head without a bias, and this one"
+            f" is a {type(head).__name__} (an adapter, a quantized weight or a bias on"
+            " `output`); set model.init_args.fused_head_loss: false, or leave the head out"
+            " of the LoRA targets"
+        )
+    hidden = model.norm(model.features(*_model_inputs(batch)))
+    targets = batch[1] if model.context is None else model.context.take(batch[1])
+    return head_cross_entropy(hidden, model.output.weight, targets)
+
+
+def _fused_head_problem(strategy: object) -> str | None:
+    """Why ``fused_head_loss`` cannot run on ``strategy``'s layout (one line), or None."""
+    dims = getattr(strategy, "parallel_dims", None)
+    if dims is None or not (
+        dims.tensor_parallel > 1 or dims.pipeline_parallel > 1 or dims.zero_stage == 3
+    ):
+        return None
+    return (
+        "fused_head_loss=True needs the LM head whole on each rank, and this layout shards it"
+        f" (tensor_parallel={dims.tensor_parallel}, pipeline_parallel="
+        f"{dims.pipeline_parallel}, zero_stage={dims.zero_stage}); set"
+        " model.init_args.fused_head_loss: false"
+    )
 
 
 def _model_inputs(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:

@@ -198,6 +198,9 @@ class MoE(_FP32Buffers):
         self.dropout = nn.Dropout(config.dropout)
         self.ep_group: dist.ProcessGroup | None = None
         """The expert-parallel group the hybrid strategy set (None: every expert here)."""
+        self.context_group: dist.ProcessGroup | None = None
+        """Under context parallelism, the cp group holding the other chunks of this rank's
+        sequences (set by :meth:`~plugintrain.model_zoo.CausalLM.split_sequences`)."""
         self.sequence_group: dist.ProcessGroup | None = None
         """Under sequence parallelism, the tensor-parallel group holding the other shards
         of this rank's sequences (for the balance loss); None: whole sequences here."""
@@ -278,21 +281,27 @@ class MoE(_FP32Buffers):
         of each sequence: the picks are summed over the group (``f`` is the whole
         sequence's) and ``P`` is this rank's part of the whole sequence's mean, so the
         ranks' losses add up to the sequence's loss, and so do their gradients (the
-        layer's gradients are summed over the group)."""
+        layer's gradients are summed over the group). Under context parallelism
+        (:attr:`context_group` set) the picks are summed over the cp group as well, and the
+        part is scaled by cp, since the cp ranks' gradients are averaged."""
         moe = self.moe
         experts = moe.n_routed_experts
         normalized = scores / scores.sum(dim=-1, keepdim=True)
         picks = indices.view(batch, -1)  # (B, T_local * k)
         hits = torch.zeros(batch, experts, dtype=normalized.dtype, device=normalized.device)
         hits.scatter_add_(1, picks, torch.ones_like(picks, dtype=hits.dtype))
-        shards = 1
+        shards = cp = 1
         if self.sequence_group is not None:
             dist.all_reduce(hits, group=self.sequence_group)
             shards = dist.get_world_size(self.sequence_group)
-        picks_per_sequence = picks.size(1) * shards  # T x top_k
+        if self.context_group is not None:  # the other chunks' picks too
+            dist.all_reduce(hits, group=self.context_group)
+            cp = dist.get_world_size(self.context_group)
+        picks_per_sequence = picks.size(1) * shards * cp  # T x top_k
         f = hits * experts / picks_per_sequence  # (B, E)
         p = normalized.view(batch, -1, experts).sum(dim=1) * moe.top_k / picks_per_sequence
-        return moe.aux_loss_coeff * (f * p).sum(dim=-1).mean()
+        # x cp: the strategy averages gradients over the cp ranks, whose parts add up.
+        return moe.aux_loss_coeff * (f * p).sum(dim=-1).mean() * cp
 
     @torch.no_grad()
     def update_bias(self, load: Tensor) -> None:

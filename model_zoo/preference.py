@@ -304,6 +304,25 @@ def _log1mexp(x: Tensor) -> Tensor:
 # The LightningModule
 
 
+def _context_parallel_problem(module: Any, strategy: Any) -> str | None:
+    """Why ``module`` cannot train under ``strategy``'s context parallelism, or with a
+    fused head (both need whole rows' logits), or None."""
+    if getattr(module, "fused_head_loss", False):
+        return (
+            f"{type(module).__name__} reads each answer's log-probs from the logits, which"
+            " fused_head_loss=True never forms; set model.init_args.fused_head_loss: false"
+        )
+    dims = getattr(strategy, "parallel_dims", None)
+    if getattr(dims, "context_parallel", 1) == 1:
+        return None
+    return (
+        f"{type(module).__name__} scores each answer over its whole row, and"
+        f" context_parallel={dims.context_parallel} splits rows over ranks; use"
+        " context_parallel: 1 (preference rows are short: data or tensor parallelism fits"
+        " them)"
+    )
+
+
 class PreferenceLM(CausalLM):
     """A :class:`~plugintrain.model_zoo.CausalLM` trained on preference pairs.
 
@@ -385,9 +404,8 @@ class PreferenceLM(CausalLM):
 
     def launch_problem(self, strategy: Any, datamodule: Any, lora: bool) -> str | None:
         """What keeps this run from starting, in one line, or None: data without pairs, no
-        reference where the objective needs one, or, under a pipeline, a reference that is
-        not in the data (the schedule runs no second forward) or micro-batches that would
-        part a pair."""
+        reference where the objective needs one, context parallelism, or, under a pipeline,
+        a reference not in the data (no second forward) or micro-batches parting a pair."""
         if datamodule is not None and not getattr(datamodule, "preference", False):
             return (
                 f"{type(self).__name__} trains on preference pairs, and"
@@ -406,7 +424,8 @@ class PreferenceLM(CausalLM):
                 " plugintrain.data.PreferenceDataModule; or prepare the pairs with"
                 " `plugintrain prepare preference ... --reference WEIGHTS`"
             )
-        return _pipeline_problem(strategy, datamodule, source)
+        layout = _context_parallel_problem(self, strategy)
+        return layout or _pipeline_problem(strategy, datamodule, source)
 
     def reference_source(self, batch: tuple[Tensor, ...] | None = None) -> str | None:
         """Where this run's reference log-probs come from: ``data``, ``adapters_off``,

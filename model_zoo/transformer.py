@@ -14,8 +14,10 @@ from collections.abc import Collection, Iterable
 import torch
 from torch import nn
 
+from plugintrain.core.context_shard import ContextShard
 from plugintrain.core.initialization import draw_seed, seeded_normal_
 from plugintrain.model_zoo.config import TransformerConfig
+from plugintrain.model_zoo.context_parallel import ContextAttention
 from plugintrain.model_zoo.layers import (
     Attention,
     Documents,
@@ -59,7 +61,58 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
+class KVCaches:
+    """The KV caches of a :class:`Transformer`'s attention layers, for generation."""
+
+    config: TransformerConfig
+    layers: nn.ModuleDict
+    context: ContextShard | None
+
+    def setup_kv_cache(
+        self,
+        batch_size: int,
+        max_seq_len: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Give every attention layer a KV cache (generation only). Generation sees whole
+        sequences: a context-parallel split (:attr:`Transformer.context`) is set aside until
+        :meth:`clear_kv_cache`.
+
+        Args:
+            batch_size: Largest batch to decode.
+            max_seq_len: Prompt plus generated tokens; at most ``block_size``.
+            device: Cache device; defaults to the model's.
+            dtype: Cache dtype; defaults to the model's parameter dtype.
+        """
+        if max_seq_len > self.config.block_size:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds block_size={self.config.block_size}; "
+                f"shorten the prompt or generate fewer tokens."
+            )
+        if self.context is not None:
+            self._context_aside, self.context = self.context, None
+        weight = next(self.parameters())
+        device, dtype = device or weight.device, dtype or weight.dtype
+        config = self.config
+        for layer in self.layers.values():
+            layer.attention.kv_cache = (
+                LatentKVCache(batch_size, max_seq_len, config.mla, device=device, dtype=dtype)
+                if config.mla is not None
+                else KVCache(
+                    batch_size, max_seq_len, config.kv_heads, config.head_dim, device, dtype
+                )
+            )
+
+    def clear_kv_cache(self) -> None:
+        """Drop the KV caches, freeing their memory (and restore a context-parallel split)."""
+        for layer in self.layers.values():
+            layer.attention.kv_cache = None
+        if getattr(self, "_context_aside", None) is not None:
+            self.context, self._context_aside = self._context_aside, None
+
+
+class Transformer(KVCaches, nn.Module):
     """Token ids in, next-token logits out.
 
     Construct under ``torch.device("meta")`` for large models, then ``to_empty(device=...)``
@@ -78,6 +131,10 @@ class Transformer(nn.Module):
         self.init_seed = draw_seed()
         """What every weight's values derive from (see :meth:`init_weights`)."""
         self.packed_attention = "documents"  # or "dense": see layers.packed_mask
+        self.context: ContextShard | None = None
+        """Context parallelism: this rank's share of every sequence (set by the strategy);
+        the pieces below then take whole rows of tokens and positions and compute on this
+        rank's two chunks of them (:mod:`~plugintrain.model_zoo.context_parallel`)."""
         # Submodules' default inits move the global generator on CPU, not on meta (overwritten).
         with torch.random.fork_rng(devices=[]):
             self._build(config)
@@ -177,6 +234,17 @@ class Transformer(nn.Module):
                 example, 0 where an example starts; attention does not cross examples
                 (:func:`~plugintrain.model_zoo.layers.packed_mask`).
         """
+        h = self.features(tokens, input_pos, positions)
+        return self.head(h) if self.output is not None else h  # (B, T, V)
+
+    def features(
+        self,
+        tokens: torch.Tensor,
+        input_pos: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The hidden states after the last block ``(B, T, C)``, before the final norm and
+        the head: :meth:`forward` without the logits (arguments as there)."""
         if positions is not None:
             pos = positions
         elif input_pos is not None:
@@ -184,14 +252,16 @@ class Transformer(nn.Module):
         else:
             pos = torch.arange(tokens.size(1), device=tokens.device)
         h = self.embed(tokens, pos) if self.tok_embeddings is not None else tokens  # (B, T, C)
-        h = self.run_layers(h, self.layers.keys(), pos, input_pos)
-        return self.head(h) if self.output is not None else h  # (B, T, V)
+        return self.run_layers(h, self.layers.keys(), pos, input_pos)
 
     # ---- the pieces a pipeline stage runs (plugintrain.core.contracts.StagedModel) -----------
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` at ``positions`` ``(T,)`` (or ``(B, T)``, packed rows) ->
-        hidden states ``(B, T, C)``."""
+        hidden states ``(B, T, C)``; under context parallelism, of this rank's chunks:
+        ``(B, T / cp, C)``."""
+        if self.context is not None:
+            tokens, positions = self.context.take(tokens), self.context.take(positions, -1)
         h = self.tok_embeddings(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)  # (T, C) broadcast over the batch, or (B, T, C)
@@ -214,11 +284,16 @@ class Transformer(nn.Module):
             input_pos: As in :meth:`forward`, for the KV cache.
         """
         rope = mask = None
+        if self.context is not None:  # whole rows' positions -> this rank's, and its attention
+            packed = positions.dim() == 2
+            mask = ContextAttention(self.context, positions if packed else None)
+            positions = self.context.take(positions, -1)
         if self.rope_cos is not None:
             rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, r) or (B, T, r)
         if positions.dim() == 2:  # packed rows: per-row angles (B, 1, T, r), their documents
             rope = None if rope is None else (rope[0][:, None], rope[1][:, None])
-            mask = packed_mask(positions, self.packed_attention)
+            if mask is None:
+                mask = packed_mask(positions, self.packed_attention)
         for key in keys:
             h = self.layers[key](h, rope, input_pos, mask)
         return h
@@ -249,38 +324,6 @@ class Transformer(nn.Module):
         """``[("tok_embeddings.weight", "output.weight")]`` when the head is tied, else none."""
         return [("tok_embeddings.weight", "output.weight")] if self.config.tie_embeddings else []
 
-    def setup_kv_cache(
-        self,
-        batch_size: int,
-        max_seq_len: int,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """Give every attention layer a KV cache (generation only).
-
-        Args:
-            batch_size: Largest batch to decode.
-            max_seq_len: Prompt plus generated tokens; at most ``block_size``.
-            device: Cache device; defaults to the model's.
-            dtype: Cache dtype; defaults to the model's parameter dtype.
-        """
-        if max_seq_len > self.config.block_size:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} exceeds block_size={self.config.block_size}; "
-                f"shorten the prompt or generate fewer tokens."
-            )
-        weight = next(self.parameters())
-        device, dtype = device or weight.device, dtype or weight.dtype
-        config = self.config
-        for layer in self.layers.values():
-            layer.attention.kv_cache = (
-                LatentKVCache(batch_size, max_seq_len, config.mla, device=device, dtype=dtype)
-                if config.mla is not None
-                else KVCache(
-                    batch_size, max_seq_len, config.kv_heads, config.head_dim, device, dtype
-                )
-            )
-
     def moe_layers(self) -> list[tuple[str, MoE]]:
         """``(block key, MoE layer)`` of every mixture-of-experts block this module holds."""
         return [
@@ -294,8 +337,3 @@ class Transformer(nn.Module):
         the layers held here (None when there are none: no MoE, or a zero coefficient)."""
         losses = [loss for _, moe in self.moe_layers() if (loss := moe.take_aux_loss()) is not None]
         return torch.stack(losses).sum() if losses else None
-
-    def clear_kv_cache(self) -> None:
-        """Drop the KV caches, freeing their memory."""
-        for layer in self.layers.values():
-            layer.attention.kv_cache = None

@@ -66,7 +66,9 @@ _ATTENTION = (
 )
 # Outputs kept by selective recomputation: matmuls (Linear layers decompose to mm/addmm,
 # the grouped experts of a mixture of experts run as bmm), fused attention kernels (output
-# and log-sum-exp), collectives, so that backward recomputes no communication, and the
+# and log-sum-exp), tensor parallelism's functional collectives, so that backward reruns
+# none of them (context parallelism's K/V all-gather, inside an autograd Function, does
+# run again, as the estimate counts), and the
 # routers' top-k choice, so that a recomputed forward routes every token to the experts
 # its first forward chose (its outputs are small: two (tokens, k) tensors).
 _SAVED_OPS = frozenset(

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from plugintrain.core.contracts import ExpertLayer, LocalTokenModule
-from plugintrain.strategies.mesh import ParallelDims
+from plugintrain.strategies.mesh import ParallelDims, expert_data_mesh
 
 
 def expert_layers(module: nn.Module) -> list[tuple[str, ExpertLayer]]:
@@ -70,10 +70,13 @@ def parallelize_experts(module: nn.Module, dims: ParallelDims, mesh: DeviceMesh)
 def expert_reduce_groups(module: nn.Module, mesh: DeviceMesh) -> dict[str, ProcessGroup]:
     """Name (as ``module.named_parameters()`` gives it) -> the ``edp`` group, for every
     expert weight sharded over ``mesh["ep"]``: the ranks holding the same experts, over
-    which the gradient engine reduces them. Empty without expert parallelism."""
-    if "ep" not in (mesh.mesh_dim_names or ()):
+    which the gradient engine reduces them (times the cp ranks, which hold other tokens of
+    the same rows: :func:`~plugintrain.strategies.mesh.expert_data_mesh`). Empty without
+    expert parallelism."""
+    edp = expert_data_mesh(mesh)
+    if edp is None:
         return {}
-    group = mesh["edp"].get_group()
+    group = edp.get_group()
     return {
         f"{path}.experts.{name}": group
         for path, layer in expert_layers(module)

@@ -38,7 +38,7 @@ from plugintrain.precision_plugins import PrecisionDtypes, precision_dtypes
 from plugintrain.strategies.auto_split import balance_stages
 from plugintrain.strategies.blocks import BlockOptions
 from plugintrain.strategies.engine_binding import EngineBinding
-from plugintrain.strategies.mesh import ParallelDims, data_parallel_mesh
+from plugintrain.strategies.mesh import ParallelDims, batch_mesh
 from plugintrain.strategies.parallel_plan import (
     build_engine,
     builds_on_meta,
@@ -54,27 +54,26 @@ from plugintrain.strategies.tied import TiedParameters
 
 
 class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
-    """Pipeline x tensor (+ sequence) x data (x expert) parallelism with ZeRO on dp.
+    """Pipeline x tensor (+ sequence) x context x data (x expert) parallelism with ZeRO on dp.
 
-    Registered as ``hybrid``, and as ``pipeline`` with two stages. With tp, pp or ep > 1
-    the LightningModule implements :class:`plugintrain.core.contracts.ParallelModule` (as
-    :class:`~plugintrain.model_zoo.CausalLM` does). Each dp rank reads its own batches.
+    Registered as ``hybrid``, and as ``pipeline`` with two stages. With tp, pp, ep or cp
+    > 1 the LightningModule implements :class:`plugintrain.core.contracts.ParallelModule`.
 
     Args:
-        data_parallel: Data-parallel degree; ``"auto"``: world size / (tp x pp).
+        data_parallel: Data-parallel degree; ``"auto"``: world size / (tp x pp x cp).
         tensor_parallel: Ranks that split every layer (and the vocabulary).
         sequence_parallel: Shard norms and dropout over the sequence (needs tp > 1).
         pipeline_parallel: Pipeline stages (ranks).
         virtual_pipeline_parallel: Model chunks per pipeline rank (interleaved schedule).
         schedule: ``gpipe``, ``1f1b`` or ``interleaved``; default ``1f1b``, or
             ``interleaved`` when ``virtual_pipeline_parallel > 1``.
-        microbatches: Micro-batches per batch with pp > 1 (dividing the per-rank batch);
-            default ``pipeline_parallel``.
+        microbatches: Micro-batches per rank's batch with pp > 1 (dividing it); default pp.
         layers_per_stage: Transformer blocks of each virtual stage (pp x vpp counts summing
             to the model's layers; fewer on the last, which also runs the head and loss);
             default: equal; ``auto``: measured and chosen at setup.
         expert_parallel: Ranks that split each MoE layer's routed experts, borrowed from
             dp (dividing dp and the expert count); not with ``zero_stage=3``.
+        context_parallel: Ranks that split every sequence, a chunk from each end each.
         zero_stage: 0 bucketed DDP, 1 shard optimizer state, 2 also gradients (our engine);
             3 also parameters (torch FSDP2, gathered in the compute dtype; not with pp > 1).
         bucket_size_mb: Gradient bucket size for ZeRO stage 0/1/2.
@@ -103,6 +102,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
         microbatches: int | None = None,
         layers_per_stage: list[int] | Literal["auto"] | None = None,
         expert_parallel: int = 1,
+        context_parallel: int = 1,
         zero_stage: int = 0,
         bucket_size_mb: float = 25.0,
         overlap_comm: bool = True,
@@ -130,6 +130,7 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
             pipeline_parallel=pipeline_parallel,
             virtual_pipeline_parallel=virtual_pipeline_parallel,
             expert_parallel=expert_parallel,
+            context_parallel=context_parallel,
             zero_stage=zero_stage,
         )
         self.pipeline_options = PipelineOptions.resolve(
@@ -168,8 +169,8 @@ class HybridParallelStrategy(CallsModelBuiltHooks, ModelParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = data_parallel_mesh(self.device_mesh)
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+        readers = batch_mesh(self.device_mesh)  # each dp rank its own; cp peers the same
+        return {"num_replicas": readers.size(), "rank": readers.get_local_rank()}
 
     @contextmanager
     @override

@@ -25,10 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from plugintrain.core.context_shard import ContextShard
 from plugintrain.core.contracts import (
     GradientLayout,
     GradientPiece,
     ParallelModule,
+    SplitsSequences,
     check_contract,
     default_gradient_layout,
 )
@@ -153,6 +155,9 @@ def prepare_model(
     plan = module.tp_plan() if dims.tp_enabled else None
     shard_model(module, plan, dims, mesh, fully_shard_dp=fitting, blocks=blocks, dtypes=dtypes)
     materialize(module, device)
+    if dims.cp_enabled:
+        cp = mesh["cp"]
+        module.split_sequences(ContextShard(dims.cp, cp.get_local_rank(), cp.get_group()))
     if dims.tp_enabled:
         module.loss_fn = vocab_parallel_loss(module.loss_fn)
     return stages
@@ -214,12 +219,15 @@ def check_model_fits(
     validate_experts`). Data parallelism alone takes any module.
     """
     pp, ep = dims.pipeline_parallel, dims.expert_parallel
-    if not (dims.tp_enabled or pp > 1 or dims.ep_enabled):
+    if not (dims.tp_enabled or pp > 1 or dims.ep_enabled or dims.cp_enabled):
         return
     experts = f", expert_parallel={ep}" if dims.ep_enabled else ""
+    experts += f", context_parallel={dims.cp}" if dims.cp_enabled else ""
     layout = f"tensor_parallel={dims.tensor_parallel}, pipeline_parallel={pp}{experts}"
     needed_by = f"{strategy_name}({layout})"
     check_contract(module, ParallelModule, needed_by)
+    if dims.cp_enabled:
+        check_contract(module, SplitsSequences, needed_by)
     dims.validate_model(module.config, getattr(datamodule, "seq_len", None))
     if pp > 1:
         check_pipeline(module.config, dims, options, getattr(datamodule, "batch_size", None))

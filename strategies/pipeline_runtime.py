@@ -144,7 +144,8 @@ class PipelineRuntime:
             # Late-bound: under tp the strategy has wrapped the module's loss_fn.
             loss_fn=lambda logits, targets: module.loss_fn(logits, targets),
             hidden_size=module.config.n_embd,
-            seq_divisor=dims.tensor_parallel if dims.sequence_parallel else 1,
+            # Each rank's activations: its cp share of the rows, split over tp under SP.
+            seq_divisor=dims.cp * (dims.tensor_parallel if dims.sequence_parallel else 1),
             wire_dtype=options.wire_dtype or dtypes.compute,
             forward_context=precision_plugin.forward_context,
             backward_context=loss_parallel if dims.tp_enabled else nullcontext,

@@ -26,10 +26,14 @@ def group_names(module: nn.Module, optimizer: Optimizer) -> list[list[str]]:
 
 
 def is_position_keyed(state: dict[str, Any]) -> bool:
-    """Whether an optimizer state dict refers to its parameters by position (torch's own)."""
+    """Whether an optimizer state dict refers to its parameters by position (torch's own,
+    whose groups list every parameter's position; a name-keyed state of a stateless
+    optimizer, SGD without momentum, lists none)."""
     keys = [key for group in state.get("param_groups", []) for key in group.get("params", [])]
-    return all(isinstance(key, int) for key in keys) and all(
-        isinstance(key, int) for key in state.get("state", {})
+    return (
+        bool(keys)
+        and all(isinstance(key, int) for key in keys)
+        and all(isinstance(key, int) for key in state.get("state", {}))
     )
 
 

@@ -202,6 +202,18 @@ class ParallelModule(Protocol):
 
 
 @runtime_checkable
+class SplitsSequences(Protocol):
+    """A LightningModule that trains on a share of every sequence: what ``hybrid`` with
+    ``context_parallel > 1`` requires (besides :class:`ParallelModule`)."""
+
+    def split_sequences(self, shard: Any) -> None:
+        """From now on compute on ``shard``'s chunks of every row (a
+        :class:`~plugintrain.core.context_shard.ContextShard`), its attention over
+        every chunk of the row, and a loss whose mean over the cp ranks is the rows' loss."""
+        ...
+
+
+@runtime_checkable
 class OneBlockModule(Protocol):
     """A LightningModule whose pipeline split ``layers_per_stage: auto`` chooses by timing."""
 

@@ -7,6 +7,11 @@ once under its schedule (the schedule's own actions are walked), plus the larges
 transient of the step: the loss's ``(B, T, V)`` gradients at the start of backward, or a
 recomputed block. A quantized base (QLoRA) adds its largest weight dequantized for one
 matmul, forward and backward (:func:`_dequantized`).
+
+Under context parallelism every activation is of this rank's ``T / cp`` tokens
+(:attr:`Layout.tokens`), but attention keeps the keys and values it gathered from the cp
+group, whole rows of them: ``cp`` times the local keys' bytes
+(:mod:`plugintrain.model_zoo.context_parallel`).
 """
 
 from __future__ import annotations
@@ -43,11 +48,20 @@ class _Widths:
     """Bytes of a matmul output (the autocast dtype under mixed precision)."""
     mixed: bool
     """Autocast: Linear layers save their own low-precision cast of an fp32 input."""
+    kv: int = 0
+    """Channels of the keys and values attention reads, together, on this rank (GQA:
+    ``2 dkv``; MLA: every local head's key and value)."""
+    cp: int = 1
+    """Context-parallel ranks: attention keeps ``cp`` times the local tokens' keys."""
 
     @classmethod
     def of(cls, config: TransformerConfig, layout: Layout) -> _Widths:
         tp = layout.dims.tp
         low = 4 if layout.precision == "32-true" else 2
+        mla = config.mla
+        kv = 2 * config.kv_heads * config.head_dim
+        if mla is not None:
+            kv = config.n_head * (mla.qk_head_dim + mla.v_head_dim)
         return cls(
             d=config.n_embd,
             seq=1 / tp if layout.dims.sequence_parallel else 1.0,
@@ -60,6 +74,8 @@ class _Widths:
             res=2 if layout.precision == "bf16-true" else 4,
             act=low,
             mixed=layout.precision in ("bf16-mixed", "16-mixed"),
+            kv=kv // tp,
+            cp=layout.dims.cp,
         )
 
 
@@ -94,7 +110,9 @@ def block_saved_bytes(
         matmuls = w.dq + 2 * w.dkv + w.d + w.d
         return x + w.act * (matmuls + w.dq) + ffn + 4 * w.heads + tp_collectives
     norms = sum(_norm_saved(config, w, n) for n in linears_in)
-    attention = w.act * (w.dq + 2 * w.dkv) + _qk_norm_saved(config, w)
+    # Under cp the keys and values gathered over the cp group (whole rows) are kept.
+    keys = 2 * w.dkv if w.cp == 1 else w.kv * w.cp
+    attention = w.act * (w.dq + keys) + _qk_norm_saved(config, w)
     attention += w.act * w.dq + 4 * w.heads  # output and log-sum-exp (fp32)
     mlp = (4 if config.mlp == "swiglu" else 2) * w.ffn * w.act
     mlp = _moe_saved(config, w) if sparse else mlp
@@ -168,7 +186,7 @@ def _chunk(
 ) -> _Chunk:
     """The activations of virtual ``stage`` running ``layers`` for one micro-batch."""
     w = _Widths.of(config, layout)
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.tokens
     last = stage == layout.dims.pp * layout.dims.vpp - 1
     modes = {i: _recompute_mode(layout, i) for i in layers}
     kept = [i for i in layers if modes[i] == "none"]
@@ -178,7 +196,7 @@ def _chunk(
     # Autocast's cache holds a recomputed block's casts until the forward ends.
     forward = _weight_casts(params, layout, set(layers) - set(kept))
     if stage == 0 and config.position == "learned":
-        saved += 8 * layout.seq_len  # the positions (int64), kept by the embedding lookup
+        saved += 8 * layout.seq_len // w.cp  # the positions (int64), kept by the lookup
     # Backward of a block: what recomputation brings back, plus the gradients in flight
     # through it (about three FFN-wide and two residual-wide tensors).
     rerun = max(
@@ -191,14 +209,17 @@ def _chunk(
     )
     backward = tokens * (rerun + w.act * (3 * w.ffn + 2 * w.d)) if layers else 0.0
     if last:
-        head = _norm_saved(config, w, 1) + w.res * w.d * w.seq  # final norm and its input
-        logits = tokens * w.vocab
-        saved += tokens * head + 4 * logits  # log-softmax output (fp32)
-        # The logits (and their fp32 copy) while the log-softmax runs.
-        forward += logits * (4 if layout.precision == "32-true" else 6)
-        # The fp32 gradients of log-probs and logits; later the blocks' backward, by when
-        # the head's saved tensors are freed.
-        backward = max(8 * logits, backward - tokens * head - 4 * logits)
+        kept, during, after = _head(config, layout, w, tokens)
+        head = "model.tok_embeddings." if config.tie_embeddings else "model.output."
+        if any(p.trainable for p in params if p.name.startswith(head)):
+            # The head weight's gradient, made whole beside the logits' before it is added
+            # into its buffer.
+            after += w.vocab * w.d * (2 if layout.precision == "bf16-true" else 4)
+        saved += kept
+        forward += during
+        # The loss's backward; later the blocks' backward, by when the head's saved tensors
+        # are freed.
+        backward = max(after, backward - kept)
     else:
         saved += tokens * w.res * w.d * w.seq  # the stage output, stashed for backward
     if stage == 0 and not _frozen_embedding(params):
@@ -206,9 +227,37 @@ def _chunk(
         # table before it lands in its bucket: on a pipeline's first rank, on top of the
         # micro-batches still in flight (by then this one's own tensors are freed).
         table = w.vocab * w.d * (2 if layout.precision == "bf16-true" else 4)
+        if config.tie_embeddings and last:
+            # Tied to the head on this stage: autograd holds the head's gradient of the
+            # table until the embedding's arrives, then adds them into a third tensor.
+            table *= 3
         backward = max(backward, table - saved)
     dequantized = _dequantized(params, layers)
     return _Chunk(saved, forward + dequantized, backward + dequantized)
+
+
+def _head(
+    config: TransformerConfig, layout: Layout, w: _Widths, tokens: int
+) -> tuple[float, float, float]:
+    """The head's bytes: what it keeps for backward, what is alive only while the loss
+    runs, and the loss's own backward transient.
+
+    Plain logits take the chunked cross-entropy
+    (:func:`~plugintrain.model_zoo.cross_entropy.chunked_cross_entropy`): it keeps one
+    buffer of the logits' gradient in their dtype, which backward returns as it is, beside
+    the logits while it runs and one fp32 chunk of them (fp32 logits: written into the
+    gradient's rows). Vocabulary-parallel logits (tp > 1) take torch's cross-entropy on
+    an fp32 copy: its log-softmax (fp32) is kept, the logits and their fp32 copy live while
+    it runs, and backward makes the fp32 gradients of log-probs and logits."""
+    from plugintrain.model_zoo.cross_entropy import CHUNK_ELEMENTS
+
+    head = tokens * (_norm_saved(config, w, 1) + w.res * w.d * w.seq)  # final norm, input
+    logits = tokens * w.vocab
+    if layout.dims.tp > 1:
+        upcast = 4 if layout.precision == "32-true" else 6
+        return head + 4 * logits, upcast * logits, 8 * logits
+    chunk = 0 if w.act == 4 else 4 * min(tokens, max(1, CHUNK_ELEMENTS // w.vocab)) * w.vocab
+    return head + w.act * logits, w.act * logits + chunk, 0.0
 
 
 DEQUANTIZE_BYTES = 6
@@ -237,8 +286,10 @@ def _recompute_mode(layout: Layout, index: int) -> str:
 
 
 def _rope_tables(config: TransformerConfig, layout: Layout) -> int:
-    """The cosines and sines of the micro-batch's positions, gathered once per forward."""
-    return 2 * 4 * layout.seq_len * config.head_dim if config.position == "rope" else 0
+    """The cosines and sines of the micro-batch's positions (this rank's, under cp),
+    gathered once per forward."""
+    positions = layout.seq_len // layout.dims.cp
+    return 2 * 4 * positions * config.head_dim if config.position == "rope" else 0
 
 
 def activation_bytes(config: TransformerConfig, layout: Layout, pp_rank: int) -> int:
@@ -261,7 +312,7 @@ def activation_bytes(config: TransformerConfig, layout: Layout, pp_rank: int) ->
     peak = _schedule_peak(chunks, layout, pp_rank)
     if layout.dims.pp > 1:
         w = _Widths.of(config, layout)
-        peak += 2 * 4 * layout.micro_batch * layout.seq_len * w.d * w.seq
+        peak += 2 * 4 * layout.tokens * w.d * w.seq
     return math.ceil(peak)
 
 

@@ -28,6 +28,7 @@ _DEGREE_FIELDS = {
     "pp": "pipeline_parallel",
     "vpp": "virtual_pipeline_parallel",
     "ep": "expert_parallel",
+    "cp": "context_parallel",
     "zero_stage": "zero_stage",
 }
 """The command line's name of each degree -> its :class:`ParallelDims` field."""
@@ -48,7 +49,7 @@ class Layout:
     strategy: str = "hybrid"
     """One of :data:`STRATEGIES`."""
     dims: ParallelDims = field(default_factory=_one_device)
-    """The degrees over ``dp x tp x pp`` ranks and the ZeRO stage."""
+    """The degrees over ``dp x cp x tp x pp`` ranks and the ZeRO stage."""
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     """Schedule, micro-batches and the blocks of each virtual stage (with pp > 1)."""
     blocks: BlockOptions = field(default_factory=BlockOptions)
@@ -82,10 +83,10 @@ class Layout:
                 f"strategy='single' runs on one device, got dp={dims.dp} x tp={dims.tp} x"
                 f" pp={dims.pp}; use strategy 'hybrid' (or zero1/zero2 for data parallelism)"
             )
-        if self.strategy in ENGINE_STAGE and (dims.tp > 1 or dims.pp > 1):
+        if self.strategy in ENGINE_STAGE and (dims.tp > 1 or dims.pp > 1 or dims.cp > 1):
             raise ValueError(
                 f"strategy={self.strategy!r} is data parallelism only, got tp={dims.tp},"
-                f" pp={dims.pp}; use strategy 'hybrid' with zero_stage"
+                f" pp={dims.pp}, cp={dims.cp}; use strategy 'hybrid' with zero_stage"
                 f" {ENGINE_STAGE[self.strategy]}"
             )
 
@@ -100,6 +101,7 @@ class Layout:
         pp: int = 1,
         vpp: int = 1,
         ep: int = 1,
+        cp: int = 1,
         zero_stage: int = 0,
         schedule: str | None = None,
         microbatches: int | None = None,
@@ -119,13 +121,14 @@ class Layout:
         says: QLoRA); ``sizes``: the other fields."""
         stage = ENGINE_STAGE.get(strategy, zero_stage if strategy == "hybrid" else 0)
         dims = ParallelDims(
-            world_size=dp * tp * pp,
+            world_size=dp * cp * tp * pp,
             data_parallel=dp,
             tensor_parallel=tp,
             sequence_parallel=sp,
             pipeline_parallel=pp,
             virtual_pipeline_parallel=vpp,
             expert_parallel=ep,
+            context_parallel=cp,
             zero_stage=stage,
         )
         counts = None if layers_per_stage is None else list(layers_per_stage)
@@ -149,23 +152,32 @@ class Layout:
 
     def replace(self, **degrees: Any) -> Layout:
         """This layout with other degrees (``dp``, ``tp``, ``sp``, ``pp``, ``vpp``, ``ep``,
-        ``zero_stage``), the pipeline's schedule and micro-batches the defaults for them."""
+        ``cp``, ``zero_stage``), the pipeline's schedule and micro-batches the defaults for
+        them."""
         changes = {_DEGREE_FIELDS[key]: value for key, value in degrees.items()}
         dims = dataclasses.replace(self.dims, world_size=None, **changes)
-        dims = dims.with_world_size(dims.data_parallel * dims.tp * dims.pp)
+        dims = dims.with_world_size(dims.data_parallel * dims.cp * dims.tp * dims.pp)
         counts = self.pipeline.layers_per_stage
         pipeline = PipelineOptions.resolve(dims, layers_per_stage=counts)
         return dataclasses.replace(self, dims=dims, pipeline=pipeline)
 
     @property
     def world_size(self) -> int:
-        """Ranks: dp x tp x pp."""
+        """Ranks: dp x cp x tp x pp."""
         return self.dims.world_size
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-        """The global rank at mesh coordinates ``(pp, dp, tp)`` (tp innermost; with experts,
-        ``dp = edp x ep`` flattened the same way)."""
-        return (pp_rank * self.dims.dp + dp_rank) * self.dims.tp + tp_rank
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
+        """The global rank at mesh coordinates ``(pp, dp, cp, tp)`` (tp innermost; with
+        experts, ``dp = edp x ep`` flattened the same way)."""
+        dims = self.dims
+        return ((pp_rank * dims.dp + dp_rank) * dims.cp + cp_rank) * dims.tp + tp_rank
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of a micro-batch on one rank: its rows' share under context parallelism
+        (``micro_batch x seq_len / cp``; under SP, the residual stream splits them over tp
+        again)."""
+        return self.micro_batch * self.seq_len // self.dims.cp
 
     @property
     def quantize(self) -> str | None:
@@ -209,6 +221,7 @@ class Layout:
             "pp": dims.pp,
             "vpp": dims.vpp,
             "ep": dims.ep,
+            "cp": dims.cp,
             "zero_stage": self.stage,
             "precision": self.precision,
             "micro_batch": self.micro_batch,

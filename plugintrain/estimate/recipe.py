@@ -172,7 +172,8 @@ def _layout(value: Any, world: int, batch: int, sizes: dict[str, Any]) -> Layout
 
 def _hybrid_layout(strategy: Any, world: int, batch: int, sizes: dict[str, Any]) -> Layout:
     """A :class:`HybridParallelStrategy`'s layout over ``world`` ranks, ``batch`` rows per
-    dp replica (cut into the pipeline's micro-batches)."""
+    dp replica (cut into the pipeline's micro-batches; a replica's cp ranks read the same
+    rows, each holding its share of every one)."""
     dims = strategy.parallel_dims.with_world_size(world)  # refuses what a launch would
     options = strategy.pipeline_options
     if dims.pp > 1 and batch % options.microbatches:
@@ -193,6 +194,7 @@ def _hybrid_layout(strategy: Any, world: int, batch: int, sizes: dict[str, Any])
         pp=dims.pp,
         vpp=dims.vpp,
         ep=dims.ep,
+        cp=dims.cp,
         zero_stage=dims.zero_stage,
         schedule=options.schedule,
         microbatches=options.microbatches,

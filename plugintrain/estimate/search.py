@@ -39,7 +39,7 @@ class RankMemory:
     """What one rank holds at its peak, in bytes."""
 
     rank: int
-    """Global rank (mesh order ``pp, dp, tp``; tp ranks hold the same amounts)."""
+    """Global rank (mesh order ``pp, dp, cp, tp``; tp ranks hold the same amounts)."""
     pp_rank: int
     dp_rank: int
     parameters: int
@@ -51,6 +51,8 @@ class RankMemory:
     """Peak of saved activations and the step's transients (see :func:`activation_bytes`)."""
     communication: int
     """Gradient or parameter buffers alive only while reducing or gathering."""
+    cp_rank: int = 0
+    """Its rank in its context-parallel group (ZeRO shards over dp x cp)."""
 
     @property
     def training_state(self) -> tuple[int, int, int]:
@@ -65,7 +67,7 @@ class RankMemory:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Every rank's memory under one layout (one rank per (pp, dp) position)."""
+    """Every rank's memory under one layout (one rank per (pp, dp, cp) position)."""
 
     config: TransformerConfig
     layout: Layout
@@ -86,7 +88,7 @@ class Estimate:
 
 
 def estimate(config: TransformerConfig, layout: Layout) -> Estimate:
-    """The memory of each (pp, dp) position's rank under ``layout``.
+    """The memory of each (pp, dp, cp) position's rank under ``layout``.
 
     Raises:
         ValueError: If ``config`` cannot train on ``layout`` (:meth:`Layout.check`).
@@ -99,9 +101,11 @@ def estimate(config: TransformerConfig, layout: Layout) -> Estimate:
         states = training_state(held, layout)
         act = activation_bytes(config, layout, pp_rank)
         comm = communication_bytes(held, layout)
-        for dp_rank, (p, g, o) in enumerate(states):
-            rank = layout.rank_of(pp_rank, dp_rank)
-            ranks.append(RankMemory(rank, pp_rank, dp_rank, p, g, o, act, comm))
+        cp = layout.dims.cp
+        for index, (p, g, o) in enumerate(states):  # index: dp_rank x cp + cp_rank
+            dp_rank, cp_rank = divmod(index, cp)
+            rank = layout.rank_of(pp_rank, dp_rank, cp_rank=cp_rank)
+            ranks.append(RankMemory(rank, pp_rank, dp_rank, p, g, o, act, comm, cp_rank))
     return Estimate(config, layout, ranks)
 
 
@@ -124,17 +128,20 @@ def candidate_layouts(
     config: TransformerConfig, gpus: int, base: Layout, microbatches: int | None = None
 ) -> Iterator[Layout]:
     """Every layout of up to ``gpus`` devices the model can train on, with ``base``'s
-    batch, precision, recomputation and LoRA: dp x tp x pp over each device count, ZeRO 0-2
-    (and FSDP2 without a pipeline) when dp > 1, sequence parallelism whenever tp > 1; a
+    batch, precision, recomputation, LoRA and context parallelism (``base``'s cp, kept):
+    dp x tp x pp over each device count, ZeRO 0-2 (and FSDP2 without a pipeline) when
+    dp x cp > 1, sequence parallelism whenever tp > 1; a
     pipeline cuts each batch into ``microbatches`` (default: pp; where its schedule cannot
     run that many, the layout is left out)."""
-    for world in range(1, gpus + 1):
+    cp = base.dims.cp
+    for world in range(1, gpus // cp + 1):
         for tp in _divisors(world):
             for pp in _divisors(world // tp):
                 dp = world // (tp * pp)
-                stages = (0, 1, 2, 3) if dp > 1 and pp == 1 else (0, 1, 2) if dp > 1 else (0,)
+                shards = dp * cp > 1
+                stages = (0, 1, 2, 3) if shards and pp == 1 else (0, 1, 2) if shards else (0,)
                 for zero in stages:
-                    strategy = "single" if world == 1 else "hybrid"
+                    strategy = "single" if world * cp == 1 else "hybrid"
                     try:
                         layout = dataclasses.replace(base, strategy="hybrid").replace(
                             dp=dp, tp=tp, sp=tp > 1, pp=pp, vpp=1, zero_stage=zero

@@ -7,6 +7,11 @@ slice, 1/dp of a bucket, or 1/(dp/ep) of an expert bucket, reduced over the rank
 the same experts); AdamW keeps ``exp_avg`` and ``exp_avg_sq`` in the parameters' dtype plus
 a 4-byte ``step`` per tensor it steps. Without the engine (one device) each trainable
 parameter has its own ``.grad``; FSDP2 (``zero_stage=3``) shards every parameter's dim 0.
+
+With context parallelism the cp ranks of a replica hold other tokens of the same rows: their
+gradients are averaged, and ZeRO / FSDP2 shard, over dp x cp (torchtitan's ``dp_shard_cp``;
+expert weights over edp x cp), so a "dp rank" here is a rank of that flattened group,
+``dp_rank x cp + cp_rank``.
 """
 
 from __future__ import annotations
@@ -21,14 +26,15 @@ _STEP_BYTES = 4  # AdamW's `step`: a float32 scalar tensor per parameter it step
 
 
 def training_state(held: list[Local], layout: Layout) -> list[tuple[int, int, int]]:
-    """Per dp rank: bytes of parameters, gradients and optimizer state kept between steps."""
+    """Per rank of the data-parallel group (dp x cp, :func:`shard_ranks`): bytes of
+    parameters, gradients and optimizer state kept between steps."""
     frozen = sum(p.size * p.element_size() for p in held if not p.trainable)
     trainable = [p for p in held if p.trainable]
     if layout.stage is None:
         grads = sum(p.size * p.element_size() for p in trainable)
         return [(frozen + grads, grads, _adam_bytes(trainable))]
     if layout.stage == 3:
-        return [_fsdp_state(held, layout.dims.dp)] * layout.dims.dp
+        return [_fsdp_state(held, shard_ranks(layout))] * shard_ranks(layout)
     return [(frozen + p, g, o) for p, g, o in _engine_state(trainable, layout.stage, layout)]
 
 
@@ -46,7 +52,7 @@ def _engine_state(trainable: list[Local], stage: int, layout: Layout) -> list[tu
     """
 
     params = grads = 0
-    state = [0] * layout.dims.dp
+    state = [0] * shard_ranks(layout)
     groups = [p.expert for p in trainable]
     for indices in assign_buckets(trainable, layout.bucket_size_mb, groups) if trainable else []:
         members = [trainable[i] for i in indices]
@@ -58,15 +64,30 @@ def _engine_state(trainable: list[Local], stage: int, layout: Layout) -> list[tu
             owned = [_adam_bytes(members)] * group
         else:
             owned = _owned_state(members, padded // group, group)
-        # The mesh flattens ("edp", "ep") into dp: dp rank r is rank r // ep of its group.
-        stride = layout.dims.ep if members[0].expert else 1
-        state = [s + owned[rank // stride] for rank, s in enumerate(state)]
+        state = [s + owned[_group_rank(rank, members[0], layout)] for rank, s in enumerate(state)]
     return [(params, grads, s) for s in state]
 
 
+def shard_ranks(layout: Layout) -> int:
+    """The ranks gradients are averaged and ZeRO / FSDP2 shard over: dp x cp."""
+    return layout.dims.dp * layout.dims.cp
+
+
 def _group_size(param: Local, layout: Layout) -> int:
-    """The ranks ``param``'s gradient is reduced over: dp, or dp / ep for an expert weight."""
-    return layout.dims.dp // layout.dims.ep if param.expert else layout.dims.dp
+    """The ranks ``param``'s gradient is reduced over: dp x cp, or dp / ep x cp for an
+    expert weight."""
+    dims = layout.dims
+    return (dims.dp // dims.ep if param.expert else dims.dp) * dims.cp
+
+
+def _group_rank(rank: int, param: Local, layout: Layout) -> int:
+    """``rank`` of the dp x cp group (``dp_rank x cp + cp_rank``) as a rank of ``param``'s
+    reduction group: itself, or for an expert weight its rank of edp x cp (the mesh flattens
+    ``("edp", "ep")`` into dp: dp rank r is edp rank r // ep)."""
+    if not param.expert:
+        return rank
+    cp = layout.dims.cp
+    return (rank // cp // layout.dims.ep) * cp + rank % cp
 
 
 def _owned_state(members: list[Local], shard: int, dp: int) -> list[int]:

@@ -9,14 +9,20 @@ turns them into time on a :class:`Cluster`:
 * **compute**: matmul FLOPs at ``matmul_efficiency`` of the device's dense peak
   (:mod:`plugintrain.core.peak_flops`), attention's at ``attention_efficiency`` (flash
   attention's kernels run further from the peak than large GEMMs); causal attention does
-  half of the non-causal work.
+  half of the non-causal work. The memory-bound kernels (norms, RoPE, the MLP's
+  activation, autocast's casts, residual adds, the cross-entropy) by the bytes they move
+  at the HBM bandwidth (:func:`block_elementwise`, :func:`head_elementwise`).
 * **collectives**: ring algorithms as nccl-tests prices them: an all-reduce of ``S`` bytes
   over ``n`` ranks moves ``2 (n-1)/n S`` per rank, an all-gather, reduce-scatter or
   all-to-all ``(n-1)/n S``, at the bus bandwidth of the link that carries the group
   (NVLink/NVSwitch when every rank of the group is in one node, else the network), plus a
   latency per call (``2 log2(nodes)`` hops across nodes).
-* **what overlaps**: tensor- and expert-parallel collectives and pipeline sends are
-  exposed (they sit between the matmuls that need them); without a pipeline, the
+* **context parallelism**: each rank computes on ``T / cp`` tokens of every row (its
+  attention over whole rows: 1/cp of the causal work); per block and micro-batch the keys
+  and values are all-gathered over the cp group in forward (again in a rerun forward) and
+  their gradients reduce-scattered in backward; gradients reduce over dp x cp.
+* **what overlaps**: tensor- and expert-parallel collectives, cp's K/V exchange and
+  pipeline sends are exposed (they sit between the matmuls that need them); without a pipeline, the
   gradient reduction overlaps the backward (only what outlasts it is exposed), FSDP2's
   gathers and reduce-scatters overlap the compute; with a pipeline the gradient engine
   reduces after the schedule's flush (plugintrain defers it there), exposed; ZeRO's
@@ -27,9 +33,9 @@ turns them into time on a :class:`Cluster`:
   1F1B or interleaved schedule with each virtual stage's own forward and backward time
   (its compute, its exposed collectives and its sends).
 
-Not modelled: kernel launch and framework overheads, memory-bound elementwise ops
-(norms, activations, rotary embeddings), stragglers, the data loader. The calculator is an
-upper bound a well-tuned run approaches; the README sets it against published runs.
+Not modelled: kernel launch and framework overheads, stragglers, the data loader. The
+calculator is an upper bound a well-tuned run approaches; the README sets it against
+published runs.
 """
 
 from __future__ import annotations
@@ -147,6 +153,9 @@ class StageCost:
     """Parameters, gradients and optimizer state the optimizer step reads."""
     chunk_weights: tuple[float, ...] = ()
     """Each virtual stage's share of this rank's compute (equal when empty)."""
+    memory_bytes: float = 0.0
+    """Bytes the memory-bound kernels (norms, RoPE, activations, casts, residual adds,
+    cross-entropy) move through HBM (:func:`block_elementwise`, :func:`head_elementwise`)."""
 
 
 @dataclass(frozen=True)
@@ -161,8 +170,9 @@ class Prediction:
     """Model FLOPs (:meth:`TransformerConfig.flops_per_token`) per second over the peak."""
     tflops_per_gpu: float
     breakdown: dict[str, float]
-    """Seconds of the step: ``compute`` (the busiest rank's), ``tp/ep exposed``, ``p2p``,
-    ``bubble``, ``dp exposed``, ``optimizer``."""
+    """Seconds of the step: ``compute`` (the busiest rank's matmuls and attention),
+    ``memory-bound`` (its elementwise kernels), ``tp/ep/cp exposed``, ``p2p``, ``bubble``,
+    ``dp exposed``, ``optimizer``."""
 
 
 # ---- the costs of a step, from the model's shapes ---------------------------------------------
@@ -215,6 +225,7 @@ def formula_costs(
         mine = rank_stages(pp_rank, dims.pp, dims.vpp)
         chunks = [_chunk(config, layout, s, [int(k) for k in keys[s]], stages) for s in mine]
         work = [c.matmul + c.attention for c in chunks]
+        memory_bytes = sum(_stage_elementwise(config, layout, s, keys) for s in mine)
         collectives = [x for c in chunks for x in c.collectives]
         collectives += _dp_collectives(config, layout, mine)
         cost = StageCost(
@@ -226,6 +237,7 @@ def formula_costs(
             p2p_messages=sum(c.messages for c in chunks),
             state_bytes=sum(largest[pp_rank].training_state),
             chunk_weights=tuple(w / (sum(work) or 1.0) for w in work),
+            memory_bytes=memory_bytes,
         )
         costs.append(cost)
     return costs
@@ -248,7 +260,7 @@ def _chunk(
     """One virtual stage over the step: matmul and attention FLOPs, tp/ep collectives,
     bytes and messages it sends."""
     dims, m = layout.dims, microbatches(layout)
-    tokens = layout.micro_batch * layout.seq_len
+    tokens = layout.tokens  # this rank's share of the rows under cp
     act = tokens * config.n_embd * _act_bytes(layout)
     reruns = _reruns(layout)
     matmul = attention = 0.0
@@ -279,6 +291,8 @@ def _chunk(
                 )
         if last:  # the vocabulary-parallel loss: max, sum of exponentials, target logit
             collectives.append(Collective("all_reduce", "tp", dims.tp, 3 * m, 3 * m * tokens * 4))
+    if dims.cp > 1 and blocks:
+        collectives += _cp_collectives(config, layout, len(blocks))
     if dims.ep > 1 and moe_blocks:
         # Tokens go out as the norm's output (residual dtype) and come back as the
         # experts' (compute dtype); backward sends their gradients the other way.
@@ -293,6 +307,91 @@ def _chunk(
         sends = 2 * m - (stage == stages - 1) * m - (stage == 0) * m  # activations, gradients
     sent = act // (dims.tp if dims.sequence_parallel else 1)
     return _ChunkCost(matmul * m, attention * m, collectives, sends * sent, sends)
+
+
+def kv_channels(config: TransformerConfig) -> int:
+    """Channels of a token's keys and values together, as attention reads them: GQA's
+    ``2 kv_heads head_dim``; MLA's per-head keys and values after the up-projection."""
+    if config.mla is not None:
+        return config.n_head * (config.mla.qk_head_dim + config.mla.v_head_dim)
+    return 2 * config.kv_heads * config.head_dim
+
+
+def _cp_collectives(config: TransformerConfig, layout: Layout, blocks: int) -> list[Collective]:
+    """The K/V exchange of context parallelism over a virtual stage's ``blocks``, every
+    micro-batch: per block one all-gather of the keys and values together, whole rows in
+    the compute dtype (each of this rank's tp share), and in backward one reduce-scatter of
+    their gradient; a block whose forward reruns in backward (full recomputation, or
+    selective, which keeps the matmuls' outputs, not the gathered keys) gathers again."""
+    dims, m = layout.dims, microbatches(layout)
+    rows = layout.micro_batch * layout.seq_len * kv_channels(config) // dims.tp
+    size = rows * _act_bytes(layout)  # an all-gather's output: K and V together
+    gathers = (blocks + round(_collective_reruns(layout) * blocks)) * m
+    return [
+        Collective("all_gather", "cp", dims.cp, gathers, gathers * size),
+        Collective("reduce_scatter", "cp", dims.cp, blocks * m, blocks * m * size),
+    ]
+
+
+def _stage_elementwise(
+    config: TransformerConfig, layout: Layout, stage: int, keys: list[list[str]]
+) -> float:
+    """HBM bytes of virtual ``stage``'s memory-bound kernels over the step: each block's
+    forward, twice that in backward, and again in a rerun forward (full recomputation's
+    blocks; under selective recomputation every block's, which reruns its elementwise
+    ops), plus the head's final norm and cross-entropy on the last stage."""
+    tokens = layout.tokens * microbatches(layout)
+    passes = 3 + _collective_reruns(layout)
+    total = sum(passes * block_elementwise(config, layout, int(k)) for k in keys[stage])
+    if stage == layout.dims.pp * layout.dims.vpp - 1:
+        total += head_elementwise(config, layout)
+    return tokens * total
+
+
+def block_elementwise(config: TransformerConfig, layout: Layout, index: int) -> float:
+    """HBM bytes per token (of this rank's) that block ``index``'s memory-bound kernels move
+    in its forward, counted as eager PyTorch runs them: each kernel reads its inputs and
+    writes its output once. Two pre-norms (RMSNorm, a composite of pow, mean and two
+    multiplies: 6 accesses of the width; LayerNorm one fused read and write), autocast's
+    cast of the norm's output for each Linear that reads it (mixed precision), RoPE on the
+    queries and keys (two multiplies, the half rotation, the add: 10 accesses), the
+    attention output's transpose to contiguous, two residual adds, the MLP's activation
+    (SwiGLU: SiLU and the gate's multiply, 5 accesses of the FFN width; GELU 2), and under
+    cp the gathered keys' and values' reordering into sequence order (4 accesses of whole
+    rows). Under SP the norms and residual adds touch this rank's sequence shard."""
+    dims, res, act = layout.dims, _residual_bytes(layout), _act_bytes(layout)
+    tp, d = dims.tp, config.n_embd
+    seq = 1 / tp if dims.sequence_parallel else 1.0
+    norm = (6 if config.norm == "rmsnorm" else 2) * d * res * seq
+    readers = 3 + (2 if config.mlp == "swiglu" else 1)  # wq, wk, wv; w1 (, w3)
+    casts = readers * d * (res + act) if layout.precision.endswith("-mixed") else 0
+    q, kv = config.n_head * config.head_dim // tp, kv_channels(config) // tp
+    rope = 10 * (q + kv / 2) * config.rope_dim / config.head_dim * act
+    attention = 2 * q * act + (4 * kv * dims.cp * act if dims.cp > 1 else 0)
+    residual = 2 * 3 * d * res * seq
+    moe = config.moe
+    if moe is not None and moe.is_moe_layer(index):
+        width = moe.top_k * moe.moe_intermediate_size + moe.n_shared_experts * (
+            moe.moe_intermediate_size
+        )
+    else:
+        width = config.ffn_dim
+    mlp = (5 if config.mlp == "swiglu" or moe is not None else 2) * width // tp * act
+    return 2 * norm + casts + rope + attention + residual + mlp
+
+
+def head_elementwise(config: TransformerConfig, layout: Layout) -> float:
+    """HBM bytes per token of the head's memory-bound kernels over forward and backward:
+    the final norm (as a block's, three passes) and the cross-entropy on this rank's
+    vocabulary shard of the logits: log-softmax in fp32 (a max, a sum of exponentials,
+    its output: 4 accesses) and its backward (3), and under mixed precision the logits'
+    cast to fp32 and their gradient's back."""
+    dims, act = layout.dims, _act_bytes(layout)
+    seq = 1 / dims.tp if dims.sequence_parallel else 1.0
+    norm = (6 if config.norm == "rmsnorm" else 2) * config.n_embd * _residual_bytes(layout)
+    vocab = config.vocab_size / dims.tp
+    casts = 2 * (act + 4) if layout.precision.endswith("-mixed") else 0
+    return 3 * norm * seq + vocab * (7 * 4 + casts)
 
 
 def _reruns(layout: Layout) -> float:
@@ -339,8 +438,9 @@ def _tp_counts(
 def _dp_collectives(
     config: TransformerConfig, layout: Layout, stages: list[int]
 ) -> list[Collective]:
-    """The gradient reduction and parameter gathering of one step (dp, or dp/ep for
-    expert weights) and the tied embedding's gradient sum across the pipeline."""
+    """The gradient reduction and parameter gathering of one step (over dp x cp, named
+    ``dp``; ``edp`` x cp for expert weights) and the tied embedding's gradient sum across
+    the pipeline."""
     from plugintrain.estimate.parameters import layout_params, stage_params
 
     dims = layout.dims
@@ -348,9 +448,10 @@ def _dp_collectives(
     held = [p for p in stage_params(layout_params(config, layout), config, layout, pp_rank)]
     tied = config.tie_embeddings and layout.lora is None and pp_rank in (0, dims.pp - 1)
     out = []
-    if dims.dp > 1 and layout.stage is not None:
+    if dims.dp * dims.cp > 1 and layout.stage is not None:
         for expert in (False, True):
-            group = dims.dp // dims.ep if expert else dims.dp
+            # Over dp x cp: the cp ranks hold other tokens of the same rows.
+            group = (dims.dp // dims.ep if expert else dims.dp) * dims.cp
             size = sum(
                 p.size * p.element_size() for p in held if p.trainable and p.expert == expert
             )
@@ -410,15 +511,17 @@ def traced_costs(
     """Each pipeline rank's :class:`StageCost` from a dry run's traced ranks (one per
     stage: the first traced rank of each): its FLOPs (attention's from the traced
     ``bmm``/attention operators, halved: the trace runs the non-causal math path), its
-    collectives per mesh dimension and its sends."""
+    collectives per mesh dimension (:func:`calculator_dim`) and its sends; the memory-bound
+    kernels' bytes are the shapes' (:func:`formula_costs`)."""
     costs: dict[int, StageCost] = {}
+    memory = [c.memory_bytes for c in formula_costs(config, layout)]  # not traced: the shapes'
     for r in report.ranks:
         if r.trace is None or r.pp_rank in costs:
             continue
         t = r.trace
         attention = sum(v for k, v in t.flops_by_op.items() if _is_attention(k)) / 2
         collectives = [
-            Collective(c.op, c.dim, c.group_size, c.count, c.bytes)
+            Collective(c.op, calculator_dim(c.op, c.dim, layout), c.group_size, c.count, c.bytes)
             for c in t.traffic
             if c.op not in ("send", "recv")
         ]
@@ -430,6 +533,7 @@ def traced_costs(
             p2p_bytes=sum(n for kind, _, n in t.p2p if kind == "send"),
             p2p_messages=sum(kind == "send" for kind, _, _ in t.p2p),
             state_bytes=sum(r.training_state),
+            memory_bytes=memory[r.pp_rank],
         )
     missing = sorted(set(range(layout.dims.pp)) - set(costs))
     if missing:
@@ -438,6 +542,18 @@ def traced_costs(
             " (--ranks sample)"
         )
     return [costs[p] for p in range(layout.dims.pp)]
+
+
+def calculator_dim(op: str, dim: str, layout: Layout) -> str:
+    """The calculator's name for traffic the recorder saw on mesh dimension(s) ``dim``:
+    the data-parallel group flattened with cp (``dp,cp``; ``edp,ep,cp`` with experts) is
+    ``dp``, and the experts' ``edp,cp`` is ``edp``; with dp 1 that group is the cp group
+    itself, where an all-reduce is the gradients' (the K/V exchange gathers and
+    scatters)."""
+    named = {"dp,cp": "dp", "edp,ep,cp": "dp", "edp,cp": "edp"}
+    if dim == "cp" and op == "all_reduce" and layout.dims.dp == 1:
+        return "dp"
+    return named.get(dim, dim)
 
 
 def _is_attention(op: str) -> bool:
@@ -449,8 +565,8 @@ def _is_attention(op: str) -> bool:
 
 def group_link(cluster: Cluster, layout: Layout, dim: str, group_size: int) -> Link:
     """The link a group of mesh dimension ``dim`` runs over: NVLink when its ranks, ``stride``
-    apart in the mesh (order ``pp, dp, tp``; ``ep`` and ``edp`` inside ``dp``), fit in one
-    node."""
+    apart in the mesh (order ``pp, dp, cp, tp``; ``ep`` and ``edp`` inside ``dp``), fit in
+    one node."""
     span = _stride(layout, dim) * (group_size - 1) + 1
     return cluster.intra if span <= cluster.gpus_per_node else cluster.inter
 
@@ -475,10 +591,18 @@ def _nodes(cluster: Cluster, layout: Layout, c: Collective) -> int:
 
 
 def _stride(layout: Layout, dim: str) -> int:
-    """How far apart in the mesh (order ``pp, dp, tp``; ``ep`` and ``edp`` inside ``dp``)
-    the ranks of a group of mesh dimension ``dim`` are (``tp`` and ``dp,tp``: adjacent)."""
+    """How far apart in the mesh (order ``pp, dp, cp, tp``; ``ep`` and ``edp`` inside
+    ``dp``) the ranks of a group of mesh dimension ``dim`` are (``tp`` and ``dp,tp``:
+    adjacent; ``dp``, the dp x cp ranks flattened: ``tp``)."""
     dims = layout.dims
-    strides = {"ep": dims.tp, "dp": dims.tp, "edp": dims.tp * dims.ep, "pp": dims.tp * dims.dp}
+    tp, cp = dims.tp, dims.cp
+    strides = {
+        "cp": tp,
+        "ep": tp * cp,
+        "dp": tp,
+        "edp": tp * cp * dims.ep,
+        "pp": tp * cp * dims.dp,
+    }
     return strides.get(dim, 1)
 
 
@@ -493,6 +617,7 @@ def predict(
     peak = cluster.peak(layout.precision)
     times = [_rank_times(cost, layout, cluster) for cost in costs]
     compute, exposed, p2p, reductions, after = (list(column) for column in zip(*times, strict=True))
+    memory = [c.memory_bytes / cluster.hbm_bandwidth for c in costs]  # inside compute
     optimizer = max(c.state_bytes for c in costs) * 2 / cluster.hbm_bandwidth
     if dims.pp > 1:
         stage_times = _stage_times(costs, compute, exposed, p2p, layout)
@@ -522,8 +647,9 @@ def predict(
         mfu=model_flops / peak,
         tflops_per_gpu=model_flops / 1e12,
         breakdown={
-            "compute": compute[busiest],
-            "tp/ep exposed": exposed[busiest],
+            "compute": compute[busiest] - memory[busiest],
+            "memory-bound": memory[busiest],
+            "tp/ep/cp exposed": exposed[busiest],
             "p2p": p2p[busiest],
             "bubble": bubble,
             "dp exposed": max(after),
@@ -535,12 +661,14 @@ def predict(
 def _rank_times(
     cost: StageCost, layout: Layout, cluster: Cluster
 ) -> tuple[float, float, float, float, float]:
-    """One pipeline rank's seconds: compute, exposed collectives inside it, pipeline sends,
-    the gradient reduction that may overlap the backward, and what runs after it."""
+    """One pipeline rank's seconds: compute (its memory-bound kernels' bytes at the HBM
+    bandwidth included), exposed collectives inside it, pipeline sends, the gradient
+    reduction that may overlap the backward, and what runs after it."""
     peak = cluster.peak(layout.precision)
     compute = cost.matmul_flops / (peak * cluster.matmul_efficiency) + cost.attention_flops / (
         peak * cluster.attention_efficiency
     )
+    compute += cost.memory_bytes / cluster.hbm_bandwidth
     t = {"inside": 0.0, "overlapped": 0.0, "after": 0.0}
     for c in cost.collectives:
         link = group_link(cluster, layout, c.dim, c.group_size)
@@ -551,11 +679,13 @@ def _rank_times(
 
 
 def _overlap(c: Collective, layout: Layout) -> str:
-    """``inside`` a micro-batch's compute (exposed), ``overlapped`` with the backward (the
-    gradient reduction, launched bucket by bucket; FSDP2's traffic, with all the compute),
-    or ``after`` the step's last backward (exposed: ZeRO's parameter gather, the tied
-    weight's sum across the pipeline)."""
-    if c.dim in ("tp", "ep"):
+    """``inside`` a micro-batch's compute (exposed: tp and ep, and cp's K/V exchange, which
+    the attention waits for: issued in line, as the Llama 3 paper's all-gather sits on the
+    critical path), ``overlapped`` with the backward (the gradient reduction, launched
+    bucket by bucket; FSDP2's traffic, with all the compute), or ``after`` the step's last
+    backward (exposed: ZeRO's parameter gather, the tied weight's sum across the
+    pipeline)."""
+    if c.dim in ("tp", "ep", "cp"):
         return "inside"
     if layout.stage == 3 or (c.dim in ("dp", "edp") and c.op != "all_gather"):
         return "overlapped"
@@ -614,7 +744,8 @@ def _ns(seconds: float) -> Fraction:
 
 
 MODELLED = (
-    "modelled: tp/ep collectives and pipeline sends exposed; without a pipeline the"
+    "modelled: tp/ep/cp collectives and pipeline sends exposed, elementwise kernels at the"
+    " HBM bandwidth; without a pipeline the"
     " gradient reduction overlaps the backward, FSDP2's traffic the compute; with one it"
     " follows the flush; ZeRO's parameter gather exposed; no kernel or framework overhead"
 )

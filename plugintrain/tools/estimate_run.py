@@ -83,7 +83,8 @@ def _layout(args: SimpleNamespace, config: TransformerConfig) -> Layout:
     from plugintrain.estimate import Layout
     from plugintrain.strategies import ParallelDims
 
-    world = args.dp * args.tp * args.pp
+    cp = getattr(args, "cp", 1)  # --cp: see plugintrain.tools.estimate
+    world = args.dp * cp * args.tp * args.pp
     strategy = args.strategy or (SINGLE if world == 1 and args.fit is None else "hybrid")
     if args.dp % args.ep:  # a model without experts is told so, not that dp is too small
         ParallelDims(expert_parallel=args.ep).validate_experts(config)
@@ -96,6 +97,7 @@ def _layout(args: SimpleNamespace, config: TransformerConfig) -> Layout:
         pp=args.pp,
         vpp=args.vpp,
         ep=args.ep,
+        cp=cp,
         zero_stage=args.zero_stage,
         precision=args.precision,
         micro_batch=args.micro_batch,
@@ -122,9 +124,11 @@ def size(n: float) -> str:
 
 
 def describe(layout: Layout) -> str:
-    """The layout on one line: ``hybrid dp=8 x tp=2 (sp) x pp=1, zero_stage=1, ...``."""
+    """The layout on one line: ``hybrid dp=8 x tp=2 (sp) x pp=1, zero_stage=1, ...``
+    (``x cp=N`` after dp with context parallelism)."""
     named = layout.as_json()
     sp = " (sp)" if named["sp"] else ""
+    cp = f" x cp={named['cp']}" if named["cp"] > 1 else ""
     vpp = f" x vpp={named['vpp']}" if named["vpp"] > 1 else ""
     zero = f", zero_stage={layout.stage}" if layout.stage is not None else ""
     pipe = f", {named['microbatches']} micro-batches" if named["pp"] > 1 else ""
@@ -134,7 +138,7 @@ def describe(layout: Layout) -> str:
     lora += f" on a {named['lora_quantize']} base" if named["lora_quantize"] else ""
     every = f" every {named['every_n_layers']}" if named["every_n_layers"] > 1 else ""
     return (
-        f"{layout.strategy} dp={named['dp']} x tp={named['tp']}{sp} x pp={named['pp']}{vpp}"
+        f"{layout.strategy} dp={named['dp']}{cp} x tp={named['tp']}{sp} x pp={named['pp']}{vpp}"
         f"{zero}, {layout.precision}, micro_batch={layout.micro_batch} x seq_len="
         f"{layout.seq_len}{pipe}, recompute={named['recompute']}{every}{lora}"
     )

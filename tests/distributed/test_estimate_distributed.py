@@ -25,13 +25,13 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from _activations import step_activation_peak
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from plugintrain.callbacks import LoRA
 from plugintrain.core.contracts import HoldsGradients
-from plugintrain.core.memory import LiveTensorMemory
 from plugintrain.estimate import Layout, estimate
 from plugintrain.model_zoo import CausalLM, TransformerConfig
 from plugintrain.precision_plugins import FP32Precision
@@ -221,13 +221,7 @@ def _measured_activations(config: TransformerConfig, recompute: str) -> int:
     module.configure_model()
     BlockOptions(recompute).apply(module)
     x, y = torch.randint(0, 500, (2, ACT_BATCH, ACT_SEQ))
-    module.loss_fn(module(x), y).backward()  # gradients exist: backward adds in place
-    with LiveTensorMemory() as memory:
-        memory.track(module.parameters(), [p.grad for p in module.parameters()])
-        memory.track(module.buffers(), x, y)
-        before = memory.live_bytes
-        module.loss_fn(module(x), y).backward()
-    return memory.peak_bytes - before
+    return step_activation_peak(module, x, y)
 
 
 @pytest.mark.parametrize(("preset", "overrides", "recompute"), ACTIVATION_CASES)

@@ -42,6 +42,10 @@ LAYOUTS = {
     "pp2": dict(pp=2, microbatches=2),
     "dp2, zero2": dict(dp=2, zero_stage=2),
     "dp2 x ep2, zero1 (experts)": dict(dp=2, ep=2, zero_stage=1),
+    # Context parallelism: the K/V exchange (all-gather forward, reduce-scatter backward,
+    # bf16 under autocast) on cp; gradients all-reduced over dp x cp (here: the cp group).
+    "cp2": dict(cp=2),
+    "cp2, full recomputation": dict(cp=2, recompute="full"),
 }
 MOE = TransformerConfig.from_name("deepseek-v3-debug", block_size=SEQ)
 
@@ -84,7 +88,7 @@ def _one_step(name: str, rank: int) -> tuple[dict[tuple[str, str], int], int]:
     strategy = HybridParallelStrategy(
         data_parallel=dims.dp, tensor_parallel=dims.tp, sequence_parallel=dims.sequence_parallel,
         pipeline_parallel=dims.pp, microbatches=layout.pipeline.microbatches,
-        expert_parallel=dims.ep,
+        expert_parallel=dims.ep, context_parallel=dims.cp,
         zero_stage=dims.zero_stage, activation_checkpointing=layout.blocks.activation_checkpointing,
     )  # fmt: skip
     trainer = L.Trainer(
@@ -110,7 +114,10 @@ def recorded() -> list[dict[str, dict]]:
 
 def _named(measured: dict, layout: Layout) -> dict:
     """Traffic by the calculator's dimension names: with dp = ep the recorder names the one
-    group ``ep``; the gradient reduction over it is the calculator's ``dp``."""
+    group ``ep``; the gradient reduction over it is the calculator's ``dp``. With cp and dp
+    1 the dp x cp group is the cp group: its all-reduce (the gradients') is ``dp``."""
+    if layout.dims.cp > 1 and layout.dims.dp == 1:
+        return {(op, "dp" if op == "all_reduce" else dim): n for (op, dim), n in measured.items()}
     if layout.dims.ep == 1 or layout.dims.ep != layout.dims.dp:
         return measured
     return {(op, "dp" if op != "all_to_all" else dim): n for (op, dim), n in measured.items()}
@@ -125,7 +132,7 @@ def test_collective_bytes_equal_the_calculators(recorded: list, name: str) -> No
     for rank, by_rank in enumerate(recorded):
         measured, sent = by_rank[name]
         measured = _named(measured, layout)
-        pp_rank = rank // (layout.dims.dp * layout.dims.tp)
+        pp_rank = rank // (layout.dims.dp * layout.dims.cp * layout.dims.tp)
         predicted = {(c.op, c.dim): c.bytes for c in costs[pp_rank].collectives}
         total = sum(measured.values())
         weighty = {k: v for k, v in measured.items() if v >= 0.05 * total}
@@ -143,3 +150,24 @@ def test_collective_bytes_equal_the_calculators(recorded: list, name: str) -> No
     # in all equals the calculator's, up to the expert counts exchanged first (64 bytes a call).
     assert abs(routed) <= 0.05 * sum(v for r in recorded for (op, _), v in r[name][0].items()
                                      if op == "all_to_all")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("cp")])
+def test_the_kv_exchange_bytes_equal_the_calculators(recorded: list, name: str) -> None:
+    """The K/V exchange is small beside the gradients at these sizes: checked on its own,
+    to the byte, on every rank (forward all-gathers, backward reduce-scatters, a rerun's
+    all-gathers), and the bytes written out: a block's keys and values of whole rows,
+    2 rows x 32 tokens x 2 heads x 32 channels x 2 (K, V) in bf16."""
+    layout = _layout(LAYOUTS[name])
+    (cost,) = formula_costs(_config(name), layout)
+    predicted = {(c.op, c.dim): c.bytes for c in cost.collectives if c.dim == "cp"}
+    blocks, one = CONFIG.n_layer, BATCH * SEQ * 2 * 32 * 2 * 2
+    gathers = 2 if "recomputation" in name else 1
+    assert predicted == {
+        ("all_gather", "cp"): gathers * blocks * one,
+        ("reduce_scatter", "cp"): blocks * one,
+    }
+    for measured, _ in (by_rank[name] for by_rank in recorded):
+        assert {k: v for k, v in measured.items() if k[1] == "cp" and k[0] != "all_reduce"} == (
+            predicted
+        )

@@ -5,14 +5,21 @@ logits at any moment of forward and backward."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from plugintrain.core.memory import LiveTensorMemory
-from plugintrain.model_zoo import CausalLM, TransformerConfig
-from plugintrain.model_zoo.cross_entropy import chunked_cross_entropy
+from plugintrain.model_zoo import CausalLM, TransformerConfig, cross_entropy
+from plugintrain.model_zoo.cross_entropy import (
+    IGNORE_INDEX,
+    chunked_cross_entropy,
+    head_cross_entropy,
+)
+from plugintrain.model_zoo.lora import LoRASpec, inject
+from plugintrain.strategies import ParallelDims
 
 B, T, V = 2, 48, 1000
 CHUNK = 20  # tokens: 96 = 4 full chunks and one of 16, so a ragged last chunk is covered
@@ -138,3 +145,103 @@ def test_vocab_sharded_dtensor_logits_keep_torch_s_loss_parallel() -> None:
         torch.testing.assert_close(sharded.grad.full_tensor(), ref_grad)
     finally:
         dist.destroy_process_group()
+
+
+def test_head_fused_with_the_loss_equals_the_head_then_torch_s_loss() -> None:
+    """``head_cross_entropy(h, W, t)`` against torch's cross-entropy of ``h @ W.T`` (fp64
+    inputs; the loss's fp32 softmax is the tolerance): the loss and the gradients of the
+    hidden states and of the weight, with masked targets and a ragged last chunk."""
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(B, T, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (B, T), generator=generator)
+    targets[0, :7] = IGNORE_INDEX
+    loss = head_cross_entropy(hidden, weight, targets, chunk_tokens=CHUNK)
+    logits = (hidden @ weight.T).flatten(0, 1)
+    ref = F.cross_entropy(logits, targets.flatten(), reduction="sum") / targets.numel()
+    got = torch.autograd.grad(3 * loss, (hidden, weight))
+    want = torch.autograd.grad(3 * ref, (hidden, weight))
+    torch.testing.assert_close(loss, ref.float(), rtol=1e-6, atol=0, check_dtype=False)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_loss_equals_the_logits_path(dtype: torch.dtype) -> None:
+    """``fused_head_loss: true`` (the head fused with the loss) gives the loss and the
+    gradients of every parameter that the logits path gives, in fp32 and under bf16
+    autocast (the gradients in the parameters' dtype either way)."""
+    config = TransformerConfig.from_name("llama3-debug", vocab_size=V, block_size=T, n_layer=1)
+    torch.manual_seed(0)
+    lm = CausalLM(config)
+    lm.configure_model()
+    tokens = torch.randint(0, V, (B, T))
+    params = list(lm.parameters())
+    results = {}
+    for fused in (False, True):
+        lm.fused_head_loss = fused
+        with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+            loss = lm.batch_loss((tokens, tokens))
+        results[fused] = (loss.detach(), torch.autograd.grad(loss, params))
+    exact = dtype == torch.float32
+    torch.testing.assert_close(
+        results[True][0], results[False][0], rtol=1e-6 if exact else 1e-2, atol=0
+    )
+    for g, w in zip(results[True][1], results[False][1], strict=True):
+        assert g.dtype == w.dtype
+        tolerance = dict(rtol=1e-5, atol=1e-7) if exact else dict(rtol=5e-2, atol=5e-3)
+        torch.testing.assert_close(g, w, **tolerance)
+
+
+def test_the_fused_head_never_holds_the_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From final hidden states to their gradient (a frozen head, as under LoRA), measured
+    by LiveTensorMemory: the head then the chunked loss holds the logits and their gradient
+    at once; the fused head holds less than the logits alone (chunks of 20 tokens, as a
+    real vocabulary's are a few hundred)."""
+    monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", CHUNK * V)
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(B, T, 64, generator=generator, requires_grad=True)
+    weight = torch.randn(V, 64, generator=generator)
+    targets = torch.randint(0, V, (B, T), generator=generator)
+
+    def fused() -> None:
+        torch.autograd.grad(head_cross_entropy(hidden, weight, targets), hidden)
+
+    def logits_path() -> None:
+        torch.autograd.grad(chunked_cross_entropy(hidden @ weight.T, targets), hidden)
+
+    peaks = {}
+    for name, fn in (("fused", fused), ("logits", logits_path)):
+        with LiveTensorMemory() as memory:
+            memory.track(hidden, weight, targets)
+            before = memory.live_bytes
+            fn()
+        peaks[name] = memory.peak_bytes - before
+    logits_bytes = B * T * V * 4
+    assert peaks["logits"] >= 2 * logits_bytes
+    assert peaks["fused"] < logits_bytes
+
+
+@pytest.mark.parametrize(
+    "degrees", [dict(tensor_parallel=2), dict(pipeline_parallel=2), dict(zero_stage=3)]
+)
+def test_fused_head_loss_is_refused_where_the_head_is_sharded(degrees: dict) -> None:
+    dims = ParallelDims(world_size=2, **degrees)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(parallel_dims=dims))
+    with pytest.raises(ValueError, match="fused_head_loss=True needs the LM head whole"):
+        CausalLM("llama3-debug", fused_head_loss=True).check_launch(trainer, None)
+    CausalLM("llama3-debug", fused_head_loss=False).check_launch(trainer, None)  # the hint
+
+
+def test_fused_head_loss_refuses_an_adapted_head() -> None:
+    config = TransformerConfig.from_name(
+        "llama3-debug", vocab_size=V, block_size=T, n_layer=1, tie_embeddings=False
+    )
+    lm = CausalLM(config, fused_head_loss=True)
+    lm.configure_model()
+    inject(lm, LoRASpec(target_modules=("*.output",)))
+    tokens = torch.randint(0, V, (B, T))
+    with pytest.raises(ValueError, match="needs a plain Linear LM head without a bias"):
+        lm.batch_loss((tokens, tokens))
+    lm.fused_head_loss = False  # the hint
+    lm.batch_loss((tokens, tokens)).backward()

@@ -199,3 +199,47 @@ def test_dry_run_options_without_dry_run_are_refused(capsys) -> None:
     assert code == 2
     assert capsys.readouterr().err.strip().endswith("--trace, --memory and --ranks go with"
                                                     " --dry_run; add it")  # fmt: skip
+
+
+# ---- context parallelism -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [dict(cp=2, dp=2, zero_stage=2), dict(cp=2, tp=2, sp=True, zero_stage=1)],
+    ids=["cp2 x dp2, zero2", "cp2 x tp2 (sp), zero1"],
+)
+def test_a_cp_layout_s_ranks_hold_what_the_estimate_says(degrees: dict) -> None:
+    """Every rank of a cp layout built on the real code path (the mesh's cp dimension,
+    ZeRO sharding over dp x cp): its bytes equal the estimate's at its (pp, dp, cp)
+    position, and every trainable element is stepped once over the dp x cp ranks."""
+    from plugintrain.estimate.dry_run import dry_run
+
+    layout = _layout(**degrees)
+    report = dry_run(CONFIG, layout, list(range(layout.world_size)))
+    assert report.problems == []
+    assert {r.cp_rank for r in report.ranks} == {0, 1}
+    for r in report.ranks:
+        assert r.training_state == report.estimated[r.rank].training_state
+        assert report.estimated[r.rank].cp_rank == r.cp_rank
+
+
+def test_sample_ranks_cover_the_cp_edges() -> None:
+    layout = _layout(cp=4, tp=2)  # mesh (dp, cp, tp): rank = cp x 2 + tp
+    assert sample_ranks(layout) == [0, 1, 6, 7]
+
+
+def test_the_cp_exchange_is_traced_on_the_cp_dimension() -> None:
+    """The K/V all-gather and reduce-scatter a traced cp step issues, by the recorder's
+    names of the mesh's groups: ``cp`` for the exchange, ``dp,cp`` for the gradients."""
+    from plugintrain.estimate.dry_run.trace import _mesh_groups
+    from plugintrain.estimate.dry_run.world import fake_world
+
+    layout = _layout(cp=2, dp=2, tp=2)
+    with fake_world(0, layout.world_size):
+        mesh = layout.dims.build_mesh("cpu")
+        names = _mesh_groups(mesh, 0)
+    # Mesh (dp, cp, tp) of 2 x 2 x 2: rank = (dp x 2 + cp) x 2 + tp.
+    assert names[frozenset({0, 2})] == "cp"
+    assert names[frozenset({0, 2, 4, 6})] == "dp,cp"
+    assert names[frozenset({0, 1})] == "tp"

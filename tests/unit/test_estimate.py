@@ -183,3 +183,38 @@ def test_precisions_listed_without_torch_are_the_precision_plugins() -> None:
     from plugintrain.precision_plugins import PRECISION_PLUGINS
 
     assert sorted(PRECISIONS) == sorted(PRECISION_PLUGINS)
+
+
+# ---- context parallelism -----------------------------------------------------------------
+
+
+def test_cp_shards_zero_state_over_dp_x_cp() -> None:
+    """ZeRO-1 over cp4 holds what ZeRO-1 over dp4 does: the cp ranks of a replica average
+    their gradients and shard the optimizer state between them (torchtitan's dp_shard_cp)."""
+    config = TransformerConfig.from_name("llama3-debug")
+    by_cp = estimate(config, Layout.of("hybrid", cp=4, zero_stage=1, seq_len=64))
+    by_dp = estimate(config, Layout.of("hybrid", dp=4, zero_stage=1, seq_len=64))
+    assert [r.training_state for r in by_cp.ranks] == [r.training_state for r in by_dp.ranks]
+    assert [(r.dp_rank, r.cp_rank) for r in by_cp.ranks] == [(0, c) for c in range(4)]
+
+
+def test_cp_activations_are_a_rank_s_share_plus_the_gathered_keys() -> None:
+    """At 16,384 tokens (the issue's debug case) cp4 holds at most 0.3x cp1's activation
+    peak: a quarter of every activation, plus whole rows of keys and values per block."""
+    from plugintrain.estimate.dry_run import activation_peak
+
+    config = TransformerConfig.from_name("llama3-debug", vocab_size=8192, block_size=16384)
+    peaks = {
+        cp: activation_peak(config, Layout.of("hybrid", cp=cp, seq_len=16384, precision="32-true"))
+        for cp in (1, 4)
+    }
+    # Whole rows of keys and values, each block's: 16,384 tokens x 2 x 2 heads x 32 x 4 B.
+    gathered = 4 * 16384 * 2 * 2 * 32 * 4
+    assert peaks[4] - peaks[1] / 4 >= gathered * 3 / 4  # beyond a quarter of cp1's
+    assert peaks[4] / peaks[1] <= 0.3
+
+
+def test_a_sequence_cp_cannot_split_is_one_line() -> None:
+    config = TransformerConfig.from_name("llama3-debug")
+    with pytest.raises(ValueError, match="not divisible by 2 x context_parallel=8"):
+        Layout.of("hybrid", cp=4, seq_len=100).check(config)

@@ -153,3 +153,16 @@ def test_the_payload_class_is_what_weights_only_refuses(tmp_path) -> None:
     torch.save({"x": Payload(marker)}, path)
     torch.load(path, weights_only=False)
     assert pathlib.Path(marker).exists()
+
+
+def test_a_stateless_optimizer_s_name_keyed_state_is_not_taken_for_torch_s() -> None:
+    """SGD without momentum keeps no state: a sharded checkpoint's name-keyed state lists no
+    parameter at all, and must still be mapped to the optimizer's positions (it was taken
+    for torch's own, and a resume in one process failed on the groups' sizes)."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    by_name = {"state": {}, "param_groups": [{**optimizer.param_groups[0], "params": []}]}
+    assert not is_position_keyed(by_name)
+    back = to_positions(by_name, group_names(model, optimizer))
+    optimizer.load_state_dict(back)  # the sizes match
+    assert is_position_keyed(optimizer.state_dict())

@@ -29,22 +29,23 @@ def test_scale_recipe_dry_runs_clean(recipe: Path, capsys) -> None:
 
 
 def test_the_scale_recipes_are_the_issue_s_layouts() -> None:
-    """World, model, degrees, ZeRO stage, micro-batch size and count, as the strategy the
-    recipe names reads them."""
+    """World, model, degrees (cp last), ZeRO stage, micro-batch size and count, as the
+    strategy the recipe names reads them."""
 
     def shape(path: Path) -> tuple:
         config, layout = recipe_layout(path)
         d, p = layout.dims, layout.pipeline
         count = p.microbatches if d.pp > 1 else None
         return (layout.world_size, config.name, d.dp, d.tp, d.sequence_parallel, d.pp, d.vpp,
-                d.ep, layout.stage, layout.micro_batch, count)  # fmt: skip
+                d.ep, layout.stage, layout.micro_batch, count, d.cp)  # fmt: skip
 
     assert {p.stem: shape(p) for p in SCALE.glob("*.yaml")} == {
-        "llama3_405b_1024gpu": (1024, "llama3.1-405b", 8, 8, True, 16, 2, 1, 1, 1, 32),
-        "deepseek_v3_2048gpu": (2048, "deepseek-v3", 128, 1, False, 16, 1, 64, 1, 1, 32),
-        "llama3_8b_64gpu": (64, "llama3.1-8b", 64, 1, False, 1, 1, 1, 3, 1, None),
-        "qwen3_8b_8gpu": (8, "qwen3-8b", 4, 2, True, 1, 1, 1, 2, 2, None),
-        "llama3_70b_qlora_2gpu": (2, "llama3.1-70b", 1, 1, False, 2, 1, 1, 0, 1, 2),
+        "llama3_405b_1024gpu": (1024, "llama3.1-405b", 8, 8, True, 16, 2, 1, 1, 1, 32, 1),
+        "deepseek_v3_2048gpu": (2048, "deepseek-v3", 128, 1, False, 16, 1, 64, 1, 1, 32, 1),
+        "llama3_8b_64gpu": (64, "llama3.1-8b", 64, 1, False, 1, 1, 1, 3, 1, None, 1),
+        "llama3_8b_128k": (64, "llama3.1-8b", 1, 8, True, 1, 1, 1, 3, 1, None, 8),
+        "qwen3_8b_8gpu": (8, "qwen3-8b", 4, 2, True, 1, 1, 1, 2, 2, None, 1),
+        "llama3_70b_qlora_2gpu": (2, "llama3.1-70b", 1, 1, False, 2, 1, 1, 0, 1, 2, 1),
     }
 
 

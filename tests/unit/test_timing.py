@@ -115,9 +115,22 @@ def test_one_gpu_step_is_its_matmuls_at_the_sustained_rate() -> None:
     attention = 4 * 3 * (2 * tokens * 256 * h * 2 * hd) / 2  # causal: half of the scores
     peak = DENSE_PEAK_FLOPS["h100 sxm"]["bf16"]  # the layout is bf16-mixed
     compute = matmuls / (peak * 0.75) + attention / (peak * 0.40)
+    # Memory-bound kernels, bytes a token of a block's forward: two RMSNorms (pow, mean,
+    # two multiplies: 6 accesses of the fp32 width), five bf16 casts of their outputs for
+    # the Linears (read fp32, write bf16), RoPE on q (256 wide) and k (128: half of the
+    # K/V's 256) at 10 accesses, attention's output transposed (2), two residual adds
+    # (3 accesses, fp32), SwiGLU (5 accesses of the bf16 FFN width); backward twice the
+    # forward. The head: the final norm (three passes over fp32) and the cross-entropy,
+    # 7 fp32 accesses a logit plus its casts to and from fp32.
+    block = 2 * 6 * d * 4 + 5 * d * 6 + 10 * (h * hd + kv * hd) * 2 + 2 * h * hd * 2
+    block += 2 * 3 * d * 4 + 5 * f * 2
+    head = 3 * 6 * d * 4 + v * (7 * 4 + 2 * (2 + 4))
+    memory = tokens * (3 * 4 * block + head) / 3.35e12
     prediction = predict(formula_costs(config, layout), config, layout, cluster)
     assert prediction.breakdown["compute"] == pytest.approx(compute, rel=1e-9)
-    assert prediction.step_time == pytest.approx(compute + prediction.breakdown["optimizer"])
+    assert prediction.breakdown["memory-bound"] == pytest.approx(memory, rel=1e-9)
+    step = compute + memory + prediction.breakdown["optimizer"]
+    assert prediction.step_time == pytest.approx(step)
     assert prediction.tokens_per_second == pytest.approx(tokens / prediction.step_time)
 
 
@@ -146,9 +159,51 @@ def test_gradient_reduction_hides_under_the_backward_until_it_outlasts_it() -> N
     slow_net = dataclasses.replace(CLUSTERS["h100-ib"], inter=Link(1e6, 0.0))
     slow = predict(costs, CONFIG, layout, slow_net)
     (reduce,) = [c for c in costs[0].collectives if c.dim == "dp"]
-    backward = slow.breakdown["compute"] * 2 / 3
+    backward = (slow.breakdown["compute"] + slow.breakdown["memory-bound"]) * 2 / 3
     seconds = collective_time(reduce, Link(1e6, 0.0), nodes=2)
     assert slow.breakdown["dp exposed"] == pytest.approx(seconds - backward)
+
+
+@pytest.mark.parametrize(("recompute", "gathers"), [("none", 1), ("full", 2), ("selective", 2)])
+def test_cp_exchanges_whole_rows_of_keys_and_values_every_block(
+    recompute: str, gathers: int
+) -> None:
+    # cp4 x tp2 (sp), 4 blocks, 2 rows of 128 tokens in fp32: per block and micro-batch
+    # one all-gather of K and V together, whole rows of this tp rank's one K/V head
+    # (2 x 128 tokens x 64 channels x 4 bytes each), again in a rerun forward; backward
+    # reduce-scatters their gradient. Gradients reduce over the 4 dp x cp ranks.
+    layout = _layout(cp=4, tp=2, sp=True, recompute=recompute)
+    (cost,) = formula_costs(CONFIG, layout)
+    found = {(c.op, c.dim): c for c in cost.collectives}
+    one = 2 * 128 * 64 * 4
+    gather, scatter = found[("all_gather", "cp")], found[("reduce_scatter", "cp")]
+    assert (gather.group_size, gather.count, gather.bytes) == (
+        4,
+        4 * gathers,
+        2 * 4 * gathers * one,
+    )
+    assert (scatter.count, scatter.bytes) == (4, 2 * 4 * one)
+    assert found[("all_reduce", "dp")].group_size == 4
+
+
+def test_cp_splits_every_rank_s_work_and_prices_the_exchange_exposed() -> None:
+    # Each cp rank computes a quarter of the rows' tokens, its queries over whole rows:
+    # a quarter of the matmuls and of the causal attention (Megatron's head-tail balance).
+    one, four = (formula_costs(CONFIG, _layout(cp=cp))[0] for cp in (1, 4))
+    assert four.matmul_flops == pytest.approx(one.matmul_flops / 4, rel=1e-12)
+    assert four.attention_flops == pytest.approx(one.attention_flops / 4, rel=1e-12)
+    assert four.memory_bytes < one.memory_bytes / 2  # beside the gathered keys' reordering
+    layout = _layout(cp=4)
+    costs = formula_costs(CONFIG, layout)
+    slow = dataclasses.replace(CLUSTERS["h100-ib"], intra=Link(1e9, 0.0))
+    fast = dataclasses.replace(CLUSTERS["h100-ib"], intra=Link(1e30, 0.0))
+    exposed = sum(collective_time(c, Link(1e9, 0.0)) for c in costs[0].collectives if c.dim == "cp")
+    gap = predict(costs, CONFIG, layout, slow).step_time
+    gap -= predict(costs, CONFIG, layout, fast).step_time
+    assert predict(costs, CONFIG, layout, slow).breakdown["tp/ep/cp exposed"] == pytest.approx(
+        exposed
+    )
+    assert gap >= exposed
 
 
 def test_estimate_time_prints_the_prediction(capsys: pytest.CaptureFixture) -> None:

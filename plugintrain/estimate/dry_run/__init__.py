@@ -37,7 +37,7 @@ from plugintrain.estimate.dry_run.checks import (
     trainable_stages,
 )
 from plugintrain.estimate.dry_run.pool import build_ranks
-from plugintrain.estimate.dry_run.report import DryRunReport, dry_run
+from plugintrain.estimate.dry_run.report import DryRunReport, activation_peak, dry_run
 from plugintrain.estimate.dry_run.trace import StepTrace, Traffic, TrafficRecorder, untraced
 from plugintrain.estimate.dry_run.world import fake_world, parse_ranks, sample_ranks
 
@@ -47,6 +47,7 @@ __all__ = [
     "StepTrace",
     "Traffic",
     "TrafficRecorder",
+    "activation_peak",
     "balance_problems",
     "build_ranks",
     "dry_rank",

@@ -43,13 +43,15 @@ class DryRank:
     copies: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
     """How many ranks may step the same elements of each parameter held here, besides
     pipeline stages holding a tied weight: the tp ranks holding the same piece, times the
-    dp replicas at ZeRO stage 0 (the expert-data-parallel ones for an expert weight)."""
+    dp x cp ranks at ZeRO stage 0 (edp x cp for an expert weight)."""
     full: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
     """Each parameter's whole-model element count."""
     trace: StepTrace | None = None
     """The traced training step (``trace=True``)."""
     peak_rss: int = 0
     """The peak resident memory of the process that built this rank, in bytes."""
+    cp_rank: int = 0
+    """Its rank in its context-parallel group."""
 
     @property
     def training_state(self) -> tuple[int, int, int]:
@@ -137,6 +139,7 @@ def _build_rank(config: TransformerConfig, layout: Layout, rank: int, trace: boo
         copies=copies,
         full=full,
         trace=traced,
+        cp_rank=where.get("cp", 0),
     )
 
 
@@ -182,7 +185,7 @@ def _ownership(
         if param.requires_grad:
             name = names[id(param)]
             owned[name] = 0
-            replicas = dims.dp // dims.ep if id(param) in experts else dims.dp
+            replicas = (dims.dp // dims.ep if id(param) in experts else dims.dp) * dims.cp
             copies[name] = tp_replicas(param, dims.tp) * (replicas if dims.zero_stage == 0 else 1)
             full[name] = param.numel()
     for shard in stepped:

@@ -30,7 +30,7 @@ class DryRunReport:
 
     ranks: list[DryRank]
     estimated: dict[int, RankMemory]
-    """Rank -> the estimate's rank at the same (pp, dp) position."""
+    """Rank -> the estimate's rank at the same (pp, dp, cp) position."""
     seconds: float
     peak_rss: int
     """The largest peak resident memory: this process's or a rank's process's, in bytes."""
@@ -129,6 +129,19 @@ class DryRunReport:
         }
 
 
+def activation_peak(config: TransformerConfig, layout: Layout) -> int:
+    """The per-rank activation peak a dry run of ``layout`` reports (the largest rank's, in
+    bytes): saved activations and the step's transients, at ``T / cp`` tokens a rank under
+    context parallelism with the gathered keys and values (see
+    :mod:`~plugintrain.estimate.activations`); what real ranks' live tensors peak at above
+    what persists between steps.
+
+    Raises:
+        ValueError: If ``config`` cannot train on ``layout``.
+    """
+    return max(r.activations for r in estimate(config, layout).ranks)
+
+
 def dry_run(
     config: TransformerConfig,
     layout: Layout,
@@ -148,8 +161,8 @@ def dry_run(
     start = time.monotonic()
     built = build_ranks(config, layout, ranks, trace)  # a rank's error names the rank
     seconds = time.monotonic() - start
-    by_position = {(e.pp_rank, e.dp_rank): e for e in estimate(config, layout).ranks}
-    estimated = {r.rank: by_position[(r.pp_rank, r.dp_rank)] for r in built}
+    by_position = {(e.pp_rank, e.dp_rank, e.cp_rank): e for e in estimate(config, layout).ranks}
+    estimated = {r.rank: by_position[(r.pp_rank, r.dp_rank, r.cp_rank)] for r in built}
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rss = max([own, *(r.peak_rss for r in built)])  # this process's and each rank's
     problems = estimate_problems(built, estimated, memory)

@@ -32,8 +32,9 @@ class Traffic:
     """``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``,
     ``send`` or ``recv``."""
     dim: str
-    """The mesh dimension(s) of the group (``tp``, ``dp``, ``pp``, ``ep``, ``edp``, ``dp,tp``
-    for FSDP2 over both, ``world``), or the peer for ``send`` and ``recv`` (``rank 64``)."""
+    """The mesh dimension(s) of the group (``tp``, ``dp``, ``pp``, ``ep``, ``edp``, ``cp``,
+    ``dp,tp`` for FSDP2 over both, ``dp,cp`` for the gradients under cp, ``world``), or the
+    peer for ``send`` and ``recv`` (``rank 64``)."""
     group_size: int
     count: int
     bytes: int
@@ -264,9 +265,11 @@ class TrafficRecorder:
 
 
 def _mesh_groups(mesh: Any, rank: int) -> dict[frozenset[int], str]:
-    """The ranks of this rank's group along each mesh dimension and each pair of them
-    (FSDP2 over ``dp,tp``; the flattened ``edp,ep`` = dp), read from the mesh's rank
-    grid (no group is created) -> their names."""
+    """The ranks of this rank's group along each mesh dimension and each pair and triple
+    of them (FSDP2 over ``dp,tp``; the flattened ``edp,ep`` = dp; gradients over ``dp,cp``
+    or ``edp,ep,cp`` under context parallelism, experts' over ``edp,cp``), read from the
+    mesh's rank grid (no group is created) -> their names (the fewest dimensions first: with
+    dp 1 the dp x cp group is ``cp``)."""
     grid = mesh.mesh
     names = list(mesh.mesh_dim_names or ())
     where = (grid == rank).nonzero()
@@ -274,7 +277,7 @@ def _mesh_groups(mesh: Any, rank: int) -> dict[frozenset[int], str]:
         return {}
     coords = where[0].tolist()
     groups: dict[frozenset[int], str] = {}
-    for count in (1, 2):
+    for count in (1, 2, 3):
         for picked in itertools.combinations(range(len(names)), count):
             index = tuple(slice(None) if d in picked else coords[d] for d in range(len(names)))
             ranks = frozenset(grid[index].flatten().tolist())

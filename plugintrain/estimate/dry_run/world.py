@@ -44,13 +44,14 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
 
 def sample_ranks(layout: Layout) -> list[int]:
     """One rank of every kind: per pipeline stage, the first and last dp rank (ZeRO's
-    padding lands on the last) and the first and last tp rank; every rank of a small
-    layout."""
+    padding lands on the last), the first and last cp rank and the first and last tp rank;
+    every rank of a small layout."""
     dims = layout.dims
     picked = {
-        layout.rank_of(pp, dp, tp)
+        layout.rank_of(pp, dp, tp, cp)
         for pp in range(dims.pp)
         for dp in sorted({0, dims.dp - 1})
+        for cp in sorted({0, dims.cp - 1})
         for tp in sorted({0, dims.tp - 1})
     }
     return sorted(picked)
