@@ -32,7 +32,7 @@ import yaml
 from plugintrain.checkpoints.dcp import read_weights
 from plugintrain.cli import main
 
-from _cli import RECIPES, REPO, cli_error, logged_losses, run_cli
+from _cli import RECIPES, REPO, logged_losses, run_cli
 
 STEPS = 3
 HYBRID = "plugintrain.strategies.HybridParallelStrategy"
@@ -208,13 +208,15 @@ def test_a_layout_that_cannot_run_is_one_line_before_launch(
     options: dict, seq_len: int, expected: str, tmp_path: Path, shakespeare_llama3: Path
 ) -> None:
     layout = _strategy(tmp_path, "bad", **options)
-    message = cli_error(
+    proc = run_cli(
         "fit", "--config", str(RECIPES / "llama3_debug_shakespeare_cpu.yaml"),
         "--config", str(layout), f"--data.init_args.data_dir={shakespeare_llama3}",
         f"--data.init_args.seq_len={seq_len}", "--trainer.devices=2",
-        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", cwd=REPO,
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+        cwd=REPO, exit_code=2, fresh_interpreter=False,
     )  # fmt: skip
-    assert expected in message
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr
+    assert expected in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "runs").exists()
 
 
