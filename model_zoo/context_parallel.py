@@ -159,13 +159,10 @@ class ContextAttention:
         positions, the parts of the chunk that lie in one document each."""
         if self._pieces is None:
             L = self.shard.chunk_length(seq_len)
-            starts = (self.positions == 0).clone()
-            starts[:, 0] = True
-            rows = []
-            for row in starts.cpu().tolist():
-                begins = [t for t, start in enumerate(row) if start]
-                rows.append([_chunk_pieces(begins, c * L, (c + 1) * L) for c in self.shard.chunks])
-            self._pieces = rows
+            self._pieces = [
+                [_chunk_pieces(begins, c * L, (c + 1) * L) for c in self.shard.chunks]
+                for begins in document_starts(self.positions)
+            ]
         return self._pieces
 
     @torch.compiler.disable
@@ -205,6 +202,14 @@ def _attend_chunks(
                 lower_right_attention(q[:, :, local], k_all[:, :, doc:end], v_all[:, :, doc:end])
             )
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def document_starts(positions: torch.Tensor) -> list[list[int]]:
+    """Where each row's documents begin, for packed rows of ``positions`` ``(B, T)``: at
+    every position 0, and at the row's start (one host read)."""
+    starts = (positions == 0).clone()
+    starts[:, 0] = True
+    return [[t for t, start in enumerate(row) if start] for row in starts.cpu().tolist()]
 
 
 def _chunk_pieces(begins: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugintrain.model_zoo.config import RopeScaling, TransformerConfig
-from plugintrain.model_zoo.context_parallel import ContextAttention
+from plugintrain.model_zoo.context_parallel import ContextAttention, document_starts
 
 
 def build_norm(config: TransformerConfig) -> nn.Module:
@@ -148,14 +148,11 @@ class Documents:
     def lengths(self) -> list[list[int]]:
         """Each row's documents' lengths, in order (read once)."""
         if self._lengths is None:
-            starts = (self.positions == 0).clone()
-            starts[:, 0] = True
             T = self.positions.size(-1)
-            rows = []
-            for row in starts.cpu().tolist():
-                begins = [t for t, start in enumerate(row) if start]
-                rows.append([e - s for s, e in itertools.pairwise([*begins, T])])
-            self._lengths = rows
+            self._lengths = [
+                [e - s for s, e in itertools.pairwise([*begins, T])]
+                for begins in document_starts(self.positions)
+            ]
         return self._lengths
 
     def attend(

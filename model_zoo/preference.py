@@ -305,13 +305,7 @@ def _log1mexp(x: Tensor) -> Tensor:
 
 
 def _context_parallel_problem(module: Any, strategy: Any) -> str | None:
-    """Why ``module`` cannot train under ``strategy``'s context parallelism, or with a
-    fused head (both need whole rows' logits), or None."""
-    if getattr(module, "fused_head_loss", False):
-        return (
-            f"{type(module).__name__} reads each answer's log-probs from the logits, which"
-            " fused_head_loss=True never forms; set model.init_args.fused_head_loss: false"
-        )
+    """Why ``module`` cannot train under ``strategy``'s context parallelism, or None."""
     dims = getattr(strategy, "parallel_dims", None)
     if getattr(dims, "context_parallel", 1) == 1:
         return None

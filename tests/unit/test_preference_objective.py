@@ -412,3 +412,19 @@ def test_a_pipeline_refuses_a_first_pass():
     problem = PreferenceLM(config="llama3-debug").launch_problem(strategy, data, lora=False)
     assert problem is not None and problem.startswith("under pipeline parallelism the")
     assert "--reference WEIGHTS" in problem
+
+
+def test_context_parallelism_is_refused_before_launch():
+    """An answer's log-prob is a sum over its whole row: a split row is refused in one
+    line, and the hint (context_parallel: 1) is accepted."""
+    from types import SimpleNamespace
+
+    from plugintrain.strategies import ParallelDims
+
+    model = PreferenceLM(config="llama3-debug", objective="orpo")  # no reference needed
+    data = _Data()
+    split = SimpleNamespace(parallel_dims=ParallelDims(world_size=2, context_parallel=2))
+    problem = model.launch_problem(split, data, lora=False)
+    assert problem is not None and "context_parallel=2 splits rows" in problem
+    whole = SimpleNamespace(parallel_dims=ParallelDims(world_size=2))
+    assert model.launch_problem(whole, data, lora=False) is None
