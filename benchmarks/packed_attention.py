@@ -19,7 +19,8 @@ LoRA recipe at batch 2 peak at 12.9 GiB of RSS on CPU; at most 3 GiB, the same l
 with ``plugintrain prepare chat`` at its defaults (2,048-token rows), ``--chat-steps`` steps,
 no validation, each run in a fresh process (its checkpoints in a temporary folder): the
 recipe as it shipped before (one device, the logits whole; with the dense mask, the
-baseline, and with documents) and as it ships now (:data:`RECIPE_VARIANTS`); reported:
+baseline, and with documents), as it ships now, and as it ships without
+``ReleaseFreedMemory`` (:data:`RECIPE_VARIANTS`); reported:
 the process's peak RSS (``wait4``'s ``ru_maxrss``), its time, and the largest relative
 difference of its logged losses from the baseline's.
 """
@@ -145,10 +146,32 @@ RECIPE_VARIANTS = {
         "--trainer.strategy=auto",
         "--model.init_args.fused_head_loss=false",
     ),
-    # The shipped recipe: documents, full recomputation, the head fused with the loss.
+    # Documents, full recomputation, the head fused with the loss; glibc's heap as it is.
+    "recomputation, fused head": (),
+    # The shipped recipe: the same, freed activations of 8 MiB or more returned to the system.
     "shipped recipe": (),
 }
 """Each chat-recipe run of :func:`memory`: its name -> the overrides of the shipped recipe."""
+RELEASING = {"shipped recipe"}
+"""The variants that keep the recipe's ``ReleaseFreedMemory`` callback; the others run the
+recipe without it (written to a temporary copy)."""
+
+
+def _recipe(variant: str, work: Path) -> Path:
+    """The shipped chat recipe, without ``ReleaseFreedMemory`` unless ``variant`` keeps it."""
+    import yaml
+
+    shipped = REPO / "recipes" / "smollm2_lora_chat_cpu.yaml"
+    if variant in RELEASING:
+        return shipped
+    recipe = yaml.safe_load(shipped.read_text())
+    callbacks = recipe["trainer"]["callbacks"]
+    recipe["trainer"]["callbacks"] = [
+        c for c in callbacks if "ReleaseFreedMemory" not in c["class_path"]
+    ]
+    copy = work / f"{variant.replace(' ', '_').replace(',', '')}.yaml"
+    copy.write_text(yaml.safe_dump(recipe))
+    return copy
 
 
 def _fit(variant: str, steps: int, work: Path) -> dict[str, Any]:
@@ -160,7 +183,7 @@ def _fit(variant: str, steps: int, work: Path) -> dict[str, Any]:
         "plugintrain",
         "fit",
         "--config",
-        str(REPO / "recipes" / "smollm2_lora_chat_cpu.yaml"),
+        str(_recipe(variant, work)),
         f"--data.init_args.data_dir={_chat_data()}",
         f"--trainer.max_steps={steps}",
         "--trainer.limit_val_batches=0",
@@ -216,17 +239,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--chat-steps", type=int, default=2)
     parser.add_argument("--skip-chat", action="store_true")
+    parser.add_argument("--skip-speed", action="store_true", help="the chat recipe's runs only")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     print("$", " ".join(sys.argv), flush=True)
-    results: dict[str, Any] = {"speed": speed(args)}
+    results: dict[str, Any] = {} if args.skip_speed else {"speed": speed(args)}
     if not args.skip_chat:
         results["memory"] = memory(args)
-    s = results["speed"]
-    print(f"\nspeed, T={args.seq}, {torch.get_num_threads()} threads, median of {args.rounds}:")
-    for path in PATHS:
-        print(f"  {path:<9} {s['tokens_per_s'][path]:8.1f} tokens/s")
-    print(f"  documents / dense: {s['ratio']:.2f}x; losses within {s['loss_rel_diff']:.1e}")
+    if "speed" in results:
+        s = results["speed"]
+        print(f"\nspeed, T={args.seq}, {torch.get_num_threads()} threads, median of {args.rounds}:")
+        for path in PATHS:
+            print(f"  {path:<9} {s['tokens_per_s'][path]:8.1f} tokens/s")
+        print(f"  documents / dense: {s['ratio']:.2f}x; losses within {s['loss_rel_diff']:.1e}")
     if "memory" in results:
         m = results["memory"]
         print(f"\nchat recipe at 2,048-token rows, batch 2, {args.chat_steps} steps:")

@@ -4,10 +4,13 @@ Each row is a run whose layout, batch, sequence length and cluster were publishe
 calculator (``plugintrain estimate --time``, :mod:`plugintrain.estimate.timing`) prices
 the same layout on the named cluster preset, from the model's shapes, and the ratio is
 predicted / published in the source's own metric. Nothing here is fitted to these rows:
-the presets' bandwidths and efficiencies are the documented defaults. Where a published
-run recomputed more than plugintrain would in the same layout (Megatron-LM reran the whole
-layer; torchtitan's op policy reruns every second matmul), the row adds that work to the
-costs (``Run.rerun``), so that what is priced is what the run executed.
+the presets' bandwidths and efficiencies are the documented defaults, and each run is
+priced on the preset of the hardware its source describes (torchtitan's H100s on
+``h100-500w-roce``: HBM2e at 2.4 TB/s and a 500 W power limit, as its performance page
+says). Where a published run recomputed more than plugintrain would in the same layout
+(Megatron-LM reran the whole layer; torchtitan's op policy reruns every second matmul),
+the row adds that work to the costs (``Run.rerun``), so that what is priced is what the
+run executed.
 
     .venv/bin/python benchmarks/scaling_calculator.py          # the README's table
     .venv/bin/python benchmarks/scaling_calculator.py --json out.json
@@ -167,13 +170,15 @@ RUNS = [
         megatron_whole_layer, "bf16-true"),
     Run("Llama 3.1 8B, 8 H100 (FSDP)", "llama3.1-8b", {},
         dict(dp=8, zero_stage=3, micro_batch=2, seq_len=8192, recompute="selective"),
-        "h100-roce", "tokens_per_gpu", 5762, TITAN,
-        "Table 1, FSDP without compile or Float8, op recomputation; 500 W HBM2e H100s",
+        "h100-500w-roce", "tokens_per_gpu", 5762, TITAN,
+        "Table 1, FSDP without compile or Float8, op recomputation (added); HBM2e H100s"
+        " at 500 W",
         titan_op_policy),
     Run("Llama 3.1 8B, 128 H100 (FSDP)", "llama3.1-8b", {},
         dict(dp=128, zero_stage=3, micro_batch=2, seq_len=8192, recompute="selective"),
-        "h100-roce", "tokens_per_gpu", 5605, TITAN,
-        "Table 3, FSDP without compile or Float8, op recomputation; 500 W HBM2e H100s",
+        "h100-500w-roce", "tokens_per_gpu", 5605, TITAN,
+        "Table 3, FSDP without compile or Float8, op recomputation (added); HBM2e H100s"
+        " at 500 W",
         titan_op_policy),
     Run("Llama 3 8B, 64 A100 (FSDP)", "llama3.1-8b", {},
         dict(dp=64, zero_stage=3, micro_batch=1, seq_len=8192, recompute="full",
@@ -192,8 +197,8 @@ RUNS = [
     Run("Llama 3.1 405B, 128 H100 (FSDP x TP)", "llama3.1-405b", {},
         dict(dp=16, tp=8, sp=True, zero_stage=3, micro_batch=2, seq_len=8192,
              recompute="full"),
-        "h100-roce", "tokens_per_gpu", 109, TITAN_2024,
-        "FSDP2 16 x TP8, full recomputation, no Float8; HBM2e H100s at a lower TDP"),
+        "h100-500w-roce", "tokens_per_gpu", 109, TITAN_2024,
+        "FSDP2 16 x TP8, full recomputation, no Float8 or async TP; HBM2e H100s at 500 W"),
 ]  # fmt: skip
 
 

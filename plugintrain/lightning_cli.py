@@ -39,6 +39,7 @@ from plugintrain.callbacks import (
     TokenThroughputMonitor,
 )
 from plugintrain.callbacks.lora import resume_base
+from plugintrain.callbacks.run_record import RunRecord
 from plugintrain.checkpoints.lightning_io import SafeCheckpointIO
 from plugintrain.checkpoints.resume import (
     checkpoint_entry,
@@ -58,6 +59,7 @@ from plugintrain.core.elastic import launching_rank
 from plugintrain.data import family_tokenizer
 from plugintrain.model_zoo.lora import RECORD_KEY as LORA_RECORD
 from plugintrain.precision_plugins import canonical_precision_name, precision_plugin_from_name
+from plugintrain.tracking import check_loggers, logger_home
 
 plugintrain.strategies.register()  # zero1, zero2, hybrid, ... by name
 
@@ -109,18 +111,16 @@ def _use_our_checkpoint_io(trainer_config: dict[str, Any]) -> None:
 
 
 def _shared_checkpoint_dir(logger: Any) -> str | None:
-    """``<save_dir>/<name>/checkpoints`` of a configured logger, shared by its versions.
+    """``<save_dir>/<name>/checkpoints`` of the configured logger (the first with a folder
+    of its own, :func:`plugintrain.tracking.logger_home`), shared by its versions.
 
     Lightning's default puts checkpoints under the logger's new ``version_N``, where
     ``--ckpt_path last`` of a later run cannot find them. A directory per recipe keeps
     ``last`` working; ModelCheckpoint writes ``last-v1.ckpt`` rather than overwrite an
     earlier run's ``last.ckpt``, and ``last`` resolves to the newest.
     """
-    init_args = getattr(logger, "init_args", None)
-    save_dir = getattr(init_args, "save_dir", None)
-    if save_dir is None:
-        return None
-    return str(Path(save_dir) / (getattr(init_args, "name", None) or "") / "checkpoints")
+    home = logger_home(logger)
+    return None if home is None else str(Path(home[0]) / home[1] / "checkpoints")
 
 
 def _fill_checkpoint_dir(config: Any) -> str | None:
@@ -211,7 +211,10 @@ class PluginTrainCLI(LightningCLI):
     Always present (configurable under their own keys): ``checkpoint`` (ModelCheckpoint,
     keeps ``last.ckpt``), ``lr_monitor``, ``throughput`` and ``step_stats`` (grad norm, loss
     scale, peak memory). The logger defaults to
-    TensorBoard under ``runs/``, and the resolved ``config.yaml`` is saved beside the logs.
+    TensorBoard under ``runs/``; ``trainer.logger`` may name any of Lightning's loggers, or
+    a list of them, checked before launch (:mod:`plugintrain.tracking`). The resolved
+    ``config.yaml`` is saved beside the logs, and every logger and checkpoint is told what
+    the run is (:class:`~plugintrain.callbacks.run_record.RunRecord`).
     Checkpoints go to ``<save_dir>/<name>/checkpoints`` (shared by the logger's versions,
     so ``--ckpt_path last`` resumes the newest run). The model's ``vocab_size`` and
     ``max_seq_len`` are linked into the datamodule so token files are checked against the
@@ -229,6 +232,7 @@ class PluginTrainCLI(LightningCLI):
     """
 
     def __init__(self, args: Any = None, run: bool = True, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_callback", RunRecord)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)
         self._launched = False
@@ -351,6 +355,7 @@ class PluginTrainCLI(LightningCLI):
                 update = {str(self.subcommand): update}
             self.config = self.parser.parse_object(update, self.config)
             config = self.config.get(str(self.subcommand), self.config)
+        check_loggers(config.trainer.logger)
         _fill_checkpoint_dir(config)
 
     @override

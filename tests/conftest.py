@@ -54,7 +54,8 @@ SLOWEST_FIRST = (
     "e2e/test_kill_during_save.py", "distributed/test_zero.py", "e2e/test_pipeline_launch.py",
     "e2e/test_elastic.py", "distributed/test_hybrid.py", "e2e/test_wheel.py",
     "unit/test_gpu_check.py", "e2e/test_docs_site.py", "unit/test_startup.py",
-    "distributed/test_estimate_distributed.py",
+    "distributed/test_estimate_distributed.py", "e2e/test_tracking_cli.py",
+    "e2e/test_tracking_ui.py",
 )  # fmt: skip
 
 

@@ -53,7 +53,19 @@ PLUGINTRAIN = ("plugintrain", ".venv/bin/plugintrain")
 PYTHONS = ("python", "python3", ".venv/bin/python")
 PYTESTS = ("pytest", ".venv/bin/pytest")
 # Programs whose commands the docs show but that are not ours to check.
-EXTERNAL = ("tensorboard", ".venv/bin/tensorboard", "pip", ".venv/bin/pip", "git", "cd", "nsys")
+EXTERNAL = (
+    "tensorboard",
+    ".venv/bin/tensorboard",
+    "pip",
+    ".venv/bin/pip",
+    "git",
+    "cd",
+    "nsys",
+    "mlflow",
+    ".venv/bin/mlflow",
+    "wandb",
+    ".venv/bin/wandb",
+)
 SHELL_OPERATORS = (">", ">>", "|", "&&", "||", ";", "<", "2>&1", "&")
 TRAINING = ("fit", "validate", "test", "predict")
 

@@ -14,7 +14,9 @@ count at the TF32 rate when torch lets them use TF32
 
 from __future__ import annotations
 
+import platform
 import re
+from pathlib import Path
 
 import torch
 
@@ -80,3 +82,15 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
         return None
     tf32 = torch.get_float32_matmul_precision() != "highest"
     return dense_peak_flops(torch.cuda.get_device_name(device), dtype, tf32)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``; else what ``platform``
+    tells), for reports and run records."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

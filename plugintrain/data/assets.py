@@ -116,6 +116,30 @@ PRETRAINED_MODELS = ("smollm2-135m",)
 recipe's ``weights`` and ``prepare --tokenizer`` accept them in place of a path."""
 
 
+@dataclass(frozen=True)
+class HubModel:
+    """Where a pretrained model comes from on the Hugging Face Hub (what a model card's
+    ``base_model`` and ``license`` say of a model trained from it)."""
+
+    repo_id: str
+    license: str | None = None
+    """The Hub's license id (``apache-2.0``); None when unknown."""
+    note: str | None = None
+    """How plugintrain's copy differs from the repository's weights, if it does."""
+
+
+PRETRAINED_ORIGINS: dict[str, HubModel] = {
+    # The GGUF's own general.license says apache-2.0, as the Hub repo does.
+    "smollm2-135m": HubModel(
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "apache-2.0",
+        "trained on its Q4_1 GGUF dequantized (`plugintrain convert smollm2-135m DIR"
+        " --format hf` writes those weights)",
+    ),
+}
+"""The Hub repository of each of :data:`PRETRAINED_MODELS`."""
+
+
 def resolve_model_path(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
     """The local path of a model: a pretrained name of :data:`PRETRAINED_MODELS` (fetched
     and checked on first use), else ``spec`` itself as a path."""

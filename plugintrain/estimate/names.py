@@ -14,5 +14,5 @@ ENGINE_STAGE = {
     s.name: s.engine_stage for s in _REGISTERED.values() if s.estimated and s.data_parallel_only
 }
 """The gradient engine's ZeRO stage of each data-parallel strategy name."""
-CLUSTER_NAMES = ("h100-ib", "h100-roce", "h200-ib", "a100-ib")
+CLUSTER_NAMES = ("h100-ib", "h100-roce", "h100-500w-roce", "h200-ib", "a100-ib")
 """The scaling calculator's cluster presets (:data:`plugintrain.estimate.timing.CLUSTERS`)."""

@@ -7,11 +7,13 @@ enough to rank every layout of ``estimate --fit``) or from a dry run's traced st
 turns them into time on a :class:`Cluster`:
 
 * **compute**: matmul FLOPs at ``matmul_efficiency`` of the device's dense peak
-  (:mod:`plugintrain.core.peak_flops`), attention's at ``attention_efficiency`` (flash
+  (:mod:`plugintrain.core.peak_flops`; at a power limit, times the clock the board
+  sustains: :func:`power_limited_clock`), attention's at ``attention_efficiency`` (flash
   attention's kernels run further from the peak than large GEMMs); causal attention does
   half of the non-causal work. The memory-bound kernels (norms, RoPE, the MLP's
-  activation, autocast's casts, residual adds, the cross-entropy) by the bytes they move
-  at the HBM bandwidth (:func:`block_elementwise`, :func:`head_elementwise`).
+  activation, autocast's casts, residual adds, the cross-entropy, FSDP2's copies in and
+  out of its flat buffers) by the bytes they move at the HBM bandwidth
+  (:func:`block_elementwise`, :func:`head_elementwise`, :func:`fsdp_copies`).
 * **collectives**: ring algorithms as nccl-tests prices them: an all-reduce of ``S`` bytes
   over ``n`` ranks moves ``2 (n-1)/n S`` per rank, an all-gather, reduce-scatter or
   all-to-all ``(n-1)/n S``, at the bus bandwidth of the link that carries the group
@@ -22,9 +24,11 @@ turns them into time on a :class:`Cluster`:
   and values are all-gathered over the cp group in forward (again in a rerun forward) and
   their gradients reduce-scattered in backward; gradients reduce over dp x cp.
 * **what overlaps**: tensor- and expert-parallel collectives, cp's K/V exchange and
-  pipeline sends are exposed (they sit between the matmuls that need them); without a pipeline, the
-  gradient reduction overlaps the backward (only what outlasts it is exposed), FSDP2's
-  gathers and reduce-scatters overlap the compute; with a pipeline the gradient engine
+  pipeline sends are exposed (they sit between the matmuls that need them); without a
+  pipeline, the gradient reduction overlaps the backward (only what outlasts it is
+  exposed), FSDP2's gathers and reduce-scatters overlap the compute but for its edges (its
+  first two units' gathers before the first block, their reduce-scatters after the last
+  backward: :func:`fsdp_edges`); with a pipeline the gradient engine
   reduces after the schedule's flush (plugintrain defers it there), exposed; ZeRO's
   parameter all-gather after the step is exposed; the optimizer step is memory-bound
   (state read and written at the HBM bandwidth).
@@ -100,22 +104,57 @@ class Cluster:
     """Fraction of the dense peak large matmuls sustain."""
     attention_efficiency: float
     """Fraction of the dense peak the attention kernels sustain."""
+    tensor_clock: float = 1.0
+    """The clock the tensor cores sustain, relative to the one the chip's datasheet peak
+    assumes: 1 for boards at their rated power, below 1 under a lower power limit
+    (:func:`power_limited_clock`). Matmuls and attention run at the peak times this; MFU
+    stays over the datasheet peak, as the runs' own MFU is."""
 
     def peak(self, precision: str) -> float:
-        """Dense FLOP/s for matmuls under ``precision`` (TF32 for fp32)."""
+        """Dense FLOP/s for matmuls under ``precision`` (TF32 for fp32): the datasheet's."""
         rates = DENSE_PEAK_FLOPS[self.chip]
         kind = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"}.get(precision)
         return rates[kind] if kind else rates.get("tf32", rates["fp32"])
 
+    def rate(self, precision: str) -> float:
+        """Dense FLOP/s the tensor cores run at: :meth:`peak` at :attr:`tensor_clock`."""
+        return self.peak(precision) * self.tensor_clock
+
+
+def power_limited_clock(watts: float) -> float:
+    """The H100 SXM's tensor rate at a ``watts`` power limit, relative to its datasheet
+    peak: NVIDIA rates the H100 at 989.4 dense bf16 TFLOP/s on the 700 W SXM board and at
+    835.5 on the 400 W NVL board; between them, linearly in the power limit. An estimate:
+    torchtitan, whose H100s ran at 500 W, knows only that their peak lies between the
+    two (886.8 TFLOP/s here, 0.896 of the SXM's)."""
+    sxm, nvl = DENSE_PEAK_FLOPS["h100 sxm"]["bf16"], DENSE_PEAK_FLOPS["h100 nvl"]["bf16"]
+    if not 400 <= watts <= 700:
+        raise ValueError(f"watts={watts} is outside the rated boards' 400-700 W; pass 400-700")
+    return (nvl + (sxm - nvl) * (watts - 400) / (700 - 400)) / sxm
+
 
 CLUSTERS: dict[str, Cluster] = {
     # Efficiencies: cuBLAS sustains about 75% of the H100's dense bf16 peak on large GEMMs
-    # and about 85% of the A100's; FlashAttention-2 reaches about 40% of the H100's peak
-    # (FlashAttention-3 paper, Fig. 1) and about 60% of the A100's (FlashAttention-2
-    # paper, forward and backward at head dim 128).
-    "h100-ib": Cluster("h100 sxm", 8, LINKS["nvlink4"], LINKS["ib-ndr400"], 3.35e12, 0.75, 0.40),
-    "h100-roce": Cluster("h100 sxm", 8, LINKS["nvlink4"], LINKS["roce-400"], 3.35e12, 0.75, 0.40),
-    "h200-ib": Cluster("h200", 8, LINKS["nvlink4"], LINKS["ib-ndr400"], 4.8e12, 0.75, 0.40),
+    # and about 85% of the A100's. Attention is FlashAttention-2's, the kernel torch's
+    # scaled_dot_product_attention runs first on both: 35% of the H100's peak
+    # (FlashAttention-3 paper, arXiv:2407.08608, abstract; its charts at head dim 128 and
+    # 8k tokens: forward 333-370 TFLOP/s, backward 318) and about 60% of the A100's
+    # (FlashAttention-2 paper, forward and backward at head dim 128).
+    "h100-ib": Cluster("h100 sxm", 8, LINKS["nvlink4"], LINKS["ib-ndr400"], 3.35e12, 0.75, 0.35),
+    "h100-roce": Cluster("h100 sxm", 8, LINKS["nvlink4"], LINKS["roce-400"], 3.35e12, 0.75, 0.35),
+    # H100 SXM boards with 96 GB of HBM2e (2.4 TB/s) at a 500 W power limit, RoCE at
+    # 400 Gb/s a GPU: Meta's Grand Teton hosts, torchtitan's H100 benchmarks.
+    "h100-500w-roce": Cluster(
+        "h100 sxm",
+        gpus_per_node=8,
+        intra=LINKS["nvlink4"],
+        inter=LINKS["roce-400"],
+        hbm_bandwidth=2.4e12,
+        matmul_efficiency=0.75,
+        attention_efficiency=0.35,
+        tensor_clock=power_limited_clock(500),
+    ),
+    "h200-ib": Cluster("h200", 8, LINKS["nvlink4"], LINKS["ib-ndr400"], 4.8e12, 0.75, 0.35),
     "a100-ib": Cluster("a100", 8, LINKS["nvlink3"], LINKS["ib-hdr200"], 2.0e12, 0.85, 0.60),
 }
 """Named clusters: DGX-style nodes of 8 GPUs, one NIC per GPU (their names also in
@@ -155,7 +194,11 @@ class StageCost:
     """Each virtual stage's share of this rank's compute (equal when empty)."""
     memory_bytes: float = 0.0
     """Bytes the memory-bound kernels (norms, RoPE, activations, casts, residual adds,
-    cross-entropy) move through HBM (:func:`block_elementwise`, :func:`head_elementwise`)."""
+    cross-entropy; FSDP2's copies) move through HBM (:func:`block_elementwise`,
+    :func:`head_elementwise`, :func:`fsdp_copies`)."""
+    fsdp_edge: tuple[Collective, ...] = ()
+    """The part of FSDP2's traffic (counted in ``collectives`` too) that no compute can
+    hide (:func:`fsdp_edges`)."""
 
 
 @dataclass(frozen=True)
@@ -225,9 +268,10 @@ def formula_costs(
         mine = rank_stages(pp_rank, dims.pp, dims.vpp)
         chunks = [_chunk(config, layout, s, [int(k) for k in keys[s]], stages) for s in mine]
         work = [c.matmul + c.attention for c in chunks]
+        engine = _dp_collectives(config, layout, mine)
         memory_bytes = sum(_stage_elementwise(config, layout, s, keys) for s in mine)
-        collectives = [x for c in chunks for x in c.collectives]
-        collectives += _dp_collectives(config, layout, mine)
+        memory_bytes += fsdp_copies(engine, layout)
+        collectives = [x for c in chunks for x in c.collectives] + engine
         cost = StageCost(
             pp_rank,
             matmul_flops=sum(c.matmul for c in chunks),
@@ -238,6 +282,7 @@ def formula_costs(
             state_bytes=sum(largest[pp_rank].training_state),
             chunk_weights=tuple(w / (sum(work) or 1.0) for w in work),
             memory_bytes=memory_bytes,
+            fsdp_edge=fsdp_edges(config, layout),
         )
         costs.append(cost)
     return costs
@@ -491,6 +536,48 @@ def _engine_collectives(
     return out
 
 
+def fsdp_copies(collectives: Iterable[Collective], layout: Layout) -> float:
+    """HBM bytes of FSDP2's copies around its ``collectives`` (torch's
+    ``foreach_all_gather`` and ``foreach_all_gather_copy_out``, ``foreach_reduce``): each
+    gather's output copied out into the unsharded parameters (read and written in the
+    compute dtype) and its input copied in from this rank's shards (read in the state
+    dtype, written cast); each reduce-scatter's input, the unsharded gradients
+    chunk-concatenated into one buffer and cast from the compute dtype to fp32. 0 for the
+    other ZeRO stages."""
+    if layout.stage != 3:
+        return 0.0
+    act, state = _act_bytes(layout), _state_dtype_bytes(layout)
+    total = 0.0
+    for c in collectives:
+        if c.op == "all_gather":
+            total += 2 * c.bytes + c.bytes / c.group_size * (1 + state / act)
+        elif c.op == "reduce_scatter":
+            total += c.bytes * (1 + act / state)
+    return total
+
+
+def fsdp_edges(config: TransformerConfig, layout: Layout) -> tuple[Collective, ...]:
+    """FSDP2's traffic that no compute can hide: the gathers of its first two units (the
+    parameters outside the blocks, which the embedding needs, then the first block's)
+    before the first block can run, and their reduce-scatters, which start after their
+    last backward, the step's last (the first block's has only the embedding's backward
+    left to hide under). Empty without FSDP2 (which runs without a pipeline)."""
+    from plugintrain.estimate.parameters import layout_params, stage_params
+
+    dims = layout.dims
+    group = dims.dp * dims.cp
+    if layout.stage != 3 or group < 2:
+        return ()
+    held = stage_params(layout_params(config, layout), config, layout, 0)
+    first = min((p.block for p in held if p.block is not None), default=None)
+    size = sum(p.size * p.element_size() for p in held if p.trainable and p.block in (None, first))
+    gathered = size * _act_bytes(layout) // _state_dtype_bytes(layout)
+    return (
+        Collective("all_gather", "dp", group, 2, gathered),
+        Collective("reduce_scatter", "dp", group, 2, size),
+    )
+
+
 def _merge(collectives: Iterable[Collective]) -> list[Collective]:
     merged: dict[tuple, Collective] = {}
     for c in collectives:
@@ -512,9 +599,9 @@ def traced_costs(
     stage: the first traced rank of each): its FLOPs (attention's from the traced
     ``bmm``/attention operators, halved: the trace runs the non-causal math path), its
     collectives per mesh dimension (:func:`calculator_dim`) and its sends; the memory-bound
-    kernels' bytes are the shapes' (:func:`formula_costs`)."""
+    kernels' bytes and FSDP2's unhidden part are the shapes' (:func:`formula_costs`)."""
     costs: dict[int, StageCost] = {}
-    memory = [c.memory_bytes for c in formula_costs(config, layout)]  # not traced: the shapes'
+    shapes = formula_costs(config, layout)  # what a trace does not see
     for r in report.ranks:
         if r.trace is None or r.pp_rank in costs:
             continue
@@ -533,7 +620,8 @@ def traced_costs(
             p2p_bytes=sum(n for kind, _, n in t.p2p if kind == "send"),
             p2p_messages=sum(kind == "send" for kind, _, _ in t.p2p),
             state_bytes=sum(r.training_state),
-            memory_bytes=memory[r.pp_rank],
+            memory_bytes=shapes[r.pp_rank].memory_bytes,
+            fsdp_edge=shapes[r.pp_rank].fsdp_edge,
         )
     missing = sorted(set(range(layout.dims.pp)) - set(costs))
     if missing:
@@ -628,9 +716,10 @@ def predict(
     else:
         makespan = compute[0] + exposed[0]
         # The gradient reduction runs under the backward (two thirds of the compute);
-        # FSDP2's gathers and reductions under all of it.
+        # FSDP2's gathers and reductions under all of it, but for its edges.
         hidden = compute[0] * (1 if layout.stage == 3 else 2 / 3)
-        late = [max(0.0, reductions[0] - hidden)]
+        edge = sum(_collective_seconds(c, layout, cluster) for c in costs[0].fsdp_edge)
+        late = [edge + max(0.0, reductions[0] - edge - hidden)]
     after = [a + b for a, b in zip(after, late, strict=True)]
     step = makespan + max(after) + optimizer
     busiest = max(range(len(costs)), key=lambda i: compute[i])
@@ -664,18 +753,22 @@ def _rank_times(
     """One pipeline rank's seconds: compute (its memory-bound kernels' bytes at the HBM
     bandwidth included), exposed collectives inside it, pipeline sends, the gradient
     reduction that may overlap the backward, and what runs after it."""
-    peak = cluster.peak(layout.precision)
-    compute = cost.matmul_flops / (peak * cluster.matmul_efficiency) + cost.attention_flops / (
-        peak * cluster.attention_efficiency
+    rate = cluster.rate(layout.precision)
+    compute = cost.matmul_flops / (rate * cluster.matmul_efficiency) + cost.attention_flops / (
+        rate * cluster.attention_efficiency
     )
     compute += cost.memory_bytes / cluster.hbm_bandwidth
     t = {"inside": 0.0, "overlapped": 0.0, "after": 0.0}
     for c in cost.collectives:
-        link = group_link(cluster, layout, c.dim, c.group_size)
-        t[_overlap(c, layout)] += collective_time(c, link, _nodes(cluster, layout, c))
+        t[_overlap(c, layout)] += _collective_seconds(c, layout, cluster)
     link = group_link(cluster, layout, "pp", 2)
     p2p = cost.p2p_bytes / link.bandwidth + cost.p2p_messages * link.latency
     return compute, t["inside"], p2p, t["overlapped"], t["after"]
+
+
+def _collective_seconds(c: Collective, layout: Layout, cluster: Cluster) -> float:
+    link = group_link(cluster, layout, c.dim, c.group_size)
+    return collective_time(c, link, _nodes(cluster, layout, c))
 
 
 def _overlap(c: Collective, layout: Layout) -> str:
@@ -745,8 +838,8 @@ def _ns(seconds: float) -> Fraction:
 
 MODELLED = (
     "modelled: tp/ep/cp collectives and pipeline sends exposed, elementwise kernels at the"
-    " HBM bandwidth; without a pipeline the"
-    " gradient reduction overlaps the backward, FSDP2's traffic the compute; with one it"
+    " HBM bandwidth; without a pipeline the gradient reduction overlaps the backward,"
+    " FSDP2's traffic the compute (but its first gathers and last reduce-scatters); with one it"
     " follows the flush; ZeRO's parameter gather exposed; no kernel or framework overhead"
 )
 """One line naming what the calculator overlaps (printed under every prediction)."""

@@ -27,8 +27,10 @@ __all__, __getattr__ = lazy_exports(
             "load_into",
         ),
         "conversion": ("check_output", "convert", "export", "output_problem"),
+        "model_card": ("RUN_RECORD_KEY", "CardFacts"),
         "registry": (
             "FORMATS",
+            "CardSpec",
             "FormatSpec",
             "convert_formats",
             "dtype_problem",

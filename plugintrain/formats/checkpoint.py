@@ -13,6 +13,7 @@ from plugintrain.checkpoints.dcp import ChunkByChunkReader, ShardBoxes, load_dcp
 from plugintrain.checkpoints.files import LIGHTNING_METADATA, load_torch_file
 from plugintrain.core.tensor_boxes import Box, select
 from plugintrain.formats.base import WeightFormatError
+from plugintrain.formats.model_card import RUN_RECORD_KEY
 from plugintrain.model_zoo import TransformerConfig
 from plugintrain.model_zoo.lora import RECORD_KEY as LORA_RECORD
 
@@ -42,7 +43,9 @@ def config_from_hparams(hparams: dict[str, Any], where: Path) -> TransformerConf
 
 
 class CheckpointReader:
-    """A CausalLM checkpoint's weights under our names (without the ``model.`` prefix).
+    """A CausalLM checkpoint's weights under our names (without the ``model.`` prefix),
+    its hyperparameters, a LoRA run's record (``lora``) and the run's record (``run``, what
+    a model card tells; None in a checkpoint of an older plugintrain).
 
     Args:
         path: A ``.ckpt`` file or a DCP checkpoint directory.
@@ -53,7 +56,8 @@ class CheckpointReader:
         self.path = path
         if path.is_dir():
             hparams = read_hparams(path)
-            self.lora = load_torch_file(path / LIGHTNING_METADATA).get(LORA_RECORD)
+            metadata = load_torch_file(path / LIGHTNING_METADATA)
+            self.lora, self.run = metadata.get(LORA_RECORD), metadata.get(RUN_RECORD_KEY)
             self._dcp = ChunkByChunkReader(path)
             saved = self._dcp.read_metadata().state_dict_metadata
             key = f"state_dict.{PREFIX}"
@@ -66,7 +70,7 @@ class CheckpointReader:
         else:
             checkpoint = load_torch_file(path, map_location="cpu", mmap=True)
             hparams = checkpoint.get("hyper_parameters", {})
-            self.lora = checkpoint.get(LORA_RECORD)
+            self.lora, self.run = checkpoint.get(LORA_RECORD), checkpoint.get(RUN_RECORD_KEY)
             state = checkpoint.get("state_dict", {})
             self._file = {k[len(PREFIX) :]: v for k, v in state.items() if k.startswith(PREFIX)}
             self._shapes = {k: (tuple(v.shape), v.dtype) for k, v in self._file.items()}

@@ -1,17 +1,28 @@
 """Weights written in another format (``plugintrain convert`` and ``export``), atomically:
 to ``<out>.partial``, then a rename; an existing output is replaced only when asked. What
 each format writes, and in which dtypes, is its :class:`~plugintrain.formats.registry.
-FormatSpec`'s."""
+FormatSpec`'s. ``export`` adds the model card of the run (:mod:`~plugintrain.formats.
+model_card`): inside a directory before it is published, beside a GGUF file."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plugintrain.core.atomic_files import PARTIAL_SUFFIX, fsync_tree, publish, remove, sibling
+from plugintrain.core.atomic_files import (
+    PARTIAL_SUFFIX,
+    fsync_tree,
+    publish,
+    remove,
+    sibling,
+    write_file_atomically,
+)
 from plugintrain.data.assets import PRETRAINED_MODELS
 from plugintrain.formats.base import TORCH_DTYPES, WeightFormatError, Weights
 from plugintrain.formats.checkpoint import CheckpointReader
+from plugintrain.formats.model_card import CARD, checkpoint_facts, gguf_card_path, model_card
 from plugintrain.formats.registry import FORMATS, convert_formats, dtype_problem, format_spec
 from plugintrain.formats.sources import detect_format, open_weights, resolve
 
@@ -67,6 +78,8 @@ def export(
     """Write the weights at ``source`` to ``out`` as ``fmt`` after every check, as
     ``plugintrain convert`` (any readable source) and ``export`` (``from_checkpoint``: a
     checkpoint of ``plugintrain fit`` only) do; returns a summary of what was written.
+    ``export`` writes a model card (``README.md``) with a Hugging Face directory, a PEFT
+    adapter or a GGUF file (:mod:`plugintrain.formats.model_card`).
 
     Raises:
         ValueError, FileExistsError: One line, before anything is written.
@@ -80,15 +93,65 @@ def export(
             f" convert {source} {out} --format {fmt}` for weights in other formats"
         )
     summary: dict[str, Any] = {"source": source, "out": str(out), "format": fmt}
-    if format_spec(fmt).adapters:
+    if format_spec(fmt).adapters:  # the writer writes the adapter's model card too
         config = format_spec(fmt).writer()(source, Path(out), overwrite)
         modules = len(config["target_modules"])
+        summary["card"] = str(Path(out) / CARD)
         return summary | {"r": config["r"], "lora_alpha": config["lora_alpha"], "modules": modules}
     problem = _lora_problem(source, merge_lora)
     if problem is not None:
         raise ValueError(problem)
-    weights = convert(source, Path(out), fmt, dtype, overwrite)
+    card = _CardWriter.of(source, Path(out), fmt, merge_lora) if from_checkpoint else None
+    weights = convert(source, Path(out), fmt, dtype, overwrite, annotate=card)
+    summary |= {"card": str(card.path)} if card is not None else {}
     return summary | {"model": weights.config.name, "tensors": len(weights.names())}
+
+
+@dataclass(frozen=True)
+class _CardWriter:
+    """The model card of a checkpoint's export (:func:`~plugintrain.formats.model_card.
+    model_card`) in a format with one (its :class:`~plugintrain.formats.registry.FormatSpec`'s
+    ``card``; the PEFT adapter's writer writes its own), written once the weights are: into
+    the directory before it is published, or beside a file (:func:`~plugintrain.formats.
+    model_card.gguf_card_path`)."""
+
+    reader: CheckpointReader
+    out: Path
+    fmt: str
+    merged: bool
+    path: Path
+    """Where the card will be."""
+
+    @classmethod
+    def of(cls, source: str, out: Path, fmt: str, merged: bool) -> _CardWriter | None:
+        """The card writer of an export of ``source`` to ``out``, None for a format without
+        a card; where it goes is decided now, before anything is written.
+
+        Raises:
+            ValueError: A GGUF export whose card would replace a README.md export did not
+                write (see :func:`~plugintrain.formats.model_card.gguf_card_path`).
+        """
+        if format_spec(fmt).card is None:
+            return None
+        path = out / CARD if format_spec(fmt).directory else gguf_card_path(out)
+        return cls(CheckpointReader(resolve(source)), out, fmt, merged, path)
+
+    def __call__(self, weights: Weights, dtype: str, partial: Path) -> None:
+        """Write the card of ``weights`` written in ``dtype`` to the output ``partial``."""
+        facts = checkpoint_facts(
+            self.reader.hparams,
+            self.reader.lora,
+            self.fmt,
+            name=self.out.resolve().name,
+            architecture=weights.config.name,
+            dtype=dtype,
+            merged=self.merged,
+        )
+        text = model_card(self.reader.run, facts).encode()
+        if partial.is_dir():
+            (partial / CARD).write_bytes(text)
+        else:
+            write_file_atomically(self.path, lambda stream: stream.write(text))
 
 
 def _lora_problem(source: str, merge_lora: bool) -> str | None:
@@ -112,6 +175,7 @@ def convert(
     fmt: str,
     dtype: str | None = None,
     overwrite: bool = False,
+    annotate: Callable[[Weights, str, Path], None] | None = None,
 ) -> Weights:
     """Write the weights at ``source`` (any readable format) to ``out`` in format ``fmt``.
 
@@ -122,6 +186,8 @@ def convert(
         dtype: One of the format's dtypes (``float32``, ``bfloat16``, ``float16``; GGUF
             also ``q8_0``); None keeps the source's (fp32 for quantized GGUF sources).
         overwrite: Replace an existing ``out``.
+        annotate: Called with the weights read, the dtype written and the partial output
+            once the weights are written, before the output is published (a model card).
 
     Returns:
         The weights read (their config names the architecture written).
@@ -143,6 +209,8 @@ def convert(
     remove(partial)
     try:
         format_spec(fmt).writer()(weights, partial, kind)
+        if annotate is not None:
+            annotate(weights, kind, partial)
     except BaseException:
         remove(partial)
         raise

@@ -13,14 +13,16 @@ and their ``B``s block-diagonal (rank = the sum of theirs, scaling unchanged), a
 adapter on a fused module becomes one per part, each with the whole ``A`` and its rows of
 ``B``. Every update ``scaling * B A`` is kept exactly.
 
-Beside them, as peft's ``save_pretrained`` does, a model card (``README.md``); for a QLoRA
-run's adapters its "Training procedure" section lists the ``bitsandbytes`` quantization
-config that holds the base as the run held it, in peft's words, and reading an adapter
-takes the quantization back from there (:func:`card_quantization`).
+Beside them, as peft's ``save_pretrained`` does, a model card (``README.md``, the run's:
+:mod:`plugintrain.formats.model_card`); for a QLoRA run's adapters its "Training
+procedure" section lists the ``bitsandbytes`` quantization config that holds the base as
+the run held it, in peft's words, and reading an adapter takes the quantization back from
+there (:func:`card_quantization`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -35,6 +37,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from plugintrain.formats.base import WeightFormatError
+from plugintrain.formats.model_card import CARD, CardFacts, checkpoint_facts, model_card
 from plugintrain.formats.safetensors_io import write_safetensors
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.families import family_of
@@ -42,7 +45,6 @@ from plugintrain.model_zoo.lora import LoRASpec
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-CARD = "README.md"
 QUANTIZATION_PREFIX = "The following `bitsandbytes` quantization config was used during training:"
 """The line of peft's model card (``PeftModel.create_or_update_model_card``) before the
 ``- name: value`` lines of a quantized base's ``BitsAndBytesConfig``."""
@@ -192,9 +194,12 @@ def write_peft(
     spec: LoRASpec,
     adapters: dict[str, Tensor],
     base: str | None,
+    card: CardFacts | None = None,
+    record: dict[str, Any] | None = None,
 ) -> None:
     """Write our ``adapters`` (of a model of ``config`` with LoRA ``spec``) into the new
-    directory ``out`` as a PEFT adapter, float32.
+    directory ``out`` as a PEFT adapter, float32, with its model card (``README.md``) of
+    the run's ``record`` and the export's facts ``card`` (default: the base and the spec).
 
     Raises:
         ValueError: Before ``out`` is made, one line (see :func:`peft_tensors`).
@@ -207,10 +212,16 @@ def write_peft(
     cfg = peft_config(spec, ranks, base, _conv1d_family(config))
     (out / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     dtype = next(iter(adapters.values())).dtype
-    (out / CARD).write_text(model_card(base, spec.quantize, dtype))
+    card = card or CardFacts("peft", name=out.name, base=base, adapter=_spec_facts(spec))
+    card = dataclasses.replace(card, sections=card_sections(spec.quantize, dtype))
+    (out / CARD).write_text(model_card(record, card))
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     with open(out / WEIGHTS, "wb") as stream:
         write_safetensors(stream, shapes.items(), torch.float32, tensors.__getitem__)
+
+
+def _spec_facts(spec: LoRASpec) -> dict[str, Any]:
+    return {"r": spec.r, "alpha": spec.alpha, "target_modules": list(spec.target_modules)}
 
 
 def bnb_config(kind: str, compute_dtype: torch.dtype) -> dict[str, object]:
@@ -236,32 +247,15 @@ def bnb_config(kind: str, compute_dtype: torch.dtype) -> dict[str, object]:
     }
 
 
-def model_card(base: str | None, quantize: str | None, compute_dtype: torch.dtype) -> str:
-    """``README.md`` as peft writes it: metadata (base model, ``library_name: peft``), and
-    for a QLoRA run (``quantize``) the ``bitsandbytes`` config its base was held in, under
-    "Training procedure"."""
-    __version__ = _version()
-    front = ["---"] + ([f"base_model: {json.dumps(base)}"] if base else [])
-    front += ["library_name: peft", "pipeline_tag: text-generation", "tags:"]
-    front += [f"- {json.dumps(f'base_model:adapter:{base}')}"] if base else []
-    lines = [*front, "- lora", "- plugintrain", "---", "", "# LoRA adapters", ""]
-    lines.append(f"Trained by plugintrain {__version__} on {base or 'its base model'}.")
-    if quantize is not None:
-        lines += ["", "## Training procedure", "", QUANTIZATION_PREFIX]
-        lines += [f"- {k}: {v}" for k, v in bnb_config(quantize, compute_dtype).items()]
-    lines += ["", "### Framework versions", "", f"- plugintrain {__version__}", ""]
-    return "\n".join(lines)
-
-
-def _version() -> str:
-    """plugintrain's installed version (the package metadata: formats sit below the package
-    root, which must not be imported from here)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("plugintrain")
-    except PackageNotFoundError:
-        return "(not installed)"
+def card_sections(quantize: str | None, compute_dtype: torch.dtype) -> tuple[str, ...]:
+    """What peft's model card adds for a QLoRA run (``quantize``): the ``bitsandbytes``
+    config its base was held in, under "Training procedure" (read back by
+    :func:`card_quantization`); nothing otherwise."""
+    if quantize is None:
+        return ()
+    lines = ["## Training procedure", "", QUANTIZATION_PREFIX]
+    lines += [f"- {k}: {v}" for k, v in bnb_config(quantize, compute_dtype).items()]
+    return (*lines, "")
 
 
 # -- in -----------------------------------------------------------------------------------
@@ -449,8 +443,10 @@ def export_peft(checkpoint: str | Path, out: Path, overwrite: bool = False) -> d
         raise ValueError(problem)
     partial = sibling(out, PARTIAL_SUFFIX)
     remove(partial)
+    facts = checkpoint_facts(reader.hparams, reader.lora, "peft", name=out.resolve().name)
+    base = reader.lora.get("base")
     try:
-        write_peft(partial, reader.config, spec, adapters, reader.lora.get("base"))
+        write_peft(partial, reader.config, spec, adapters, base, facts, reader.run)
     except BaseException:
         remove(partial)
         raise

@@ -5,7 +5,8 @@ TensorReader` factory and written by a writer, each named here as ``"module:attr
 and imported on first use: this module imports nothing heavy, so ``plugintrain convert
 --help`` lists the formats and the dtypes each writes without loading torch. Everything
 that switches on a format (``open_weights``, ``convert``, ``export``, ``generate
---weights`` and ``--adapter``, the LoRA callback's ``adapter``) reads it from here.
+--weights`` and ``--adapter``, the LoRA callback's ``adapter``, the model card ``export``
+writes) reads it from here.
 
 A new format is one :func:`register_format` call::
 
@@ -23,6 +24,23 @@ from pathlib import Path
 from typing import Any
 
 _FORMATS = "plugintrain.formats"
+
+
+@dataclass(frozen=True)
+class CardSpec:
+    """How the Hugging Face Hub lists a format: what the model card ``export`` writes beside
+    it says (:mod:`plugintrain.formats.model_card`)."""
+
+    what: str
+    """The export in words, for the card's reader (``a GGUF file for llama.cpp``)."""
+    usage: tuple[str, str]
+    """How to load it: a code block's language and its code, ``{where}`` standing for the
+    export's name and ``{base}`` for the base model's Hub id (quoted) or a placeholder."""
+    library: str | None = None
+    """The Hub's ``library_name`` (``transformers``); None for a file format (GGUF), which
+    the Hub lists by its files, not as a library."""
+    tags: tuple[str, ...] = ()
+    """Tags beside ``plugintrain`` and ``text-generation`` (``gguf``)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,9 @@ class FormatSpec:
     adapters: bool = False
     """It holds a LoRA run's adapters alone, not a whole model: written from a LoRA run's
     checkpoint (never merged), read by the LoRA callback and ``generate --adapter``."""
+    card: CardSpec | None = None
+    """``export`` writes a model card (``README.md``) with it, saying this; None: no card
+    (a format the Hub does not host)."""
 
     def detector(self) -> Any:
         """The function telling this format from a path."""
@@ -113,6 +134,16 @@ for _spec in (
         write=f"{_FORMATS}.hf:write_hf",
         dtypes=_FLOATS,
         directory=True,
+        card=CardSpec(
+            what="a Hugging Face `transformers` model directory",
+            usage=(
+                "python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                'tokenizer = AutoTokenizer.from_pretrained("{where}")\n'
+                'model = AutoModelForCausalLM.from_pretrained("{where}")',
+            ),
+            library="transformers",
+        ),
     ),
     FormatSpec(
         name="checkpoint",
@@ -128,6 +159,15 @@ for _spec in (
         read=f"{_FORMATS}.gguf:GGUFFileReader",
         write=f"{_FORMATS}.gguf:write_gguf",
         dtypes=(*_FLOATS, "q8_0"),
+        card=CardSpec(
+            what="a GGUF file for llama.cpp",
+            usage=(
+                "bash",
+                'llama-cli -m {where} -p "Hello"\n'
+                'plugintrain generate --weights {where} --prompt "Hello"',
+            ),
+            tags=("gguf",),
+        ),
     ),
     FormatSpec(
         name="llmc",
@@ -146,6 +186,17 @@ for _spec in (
         dtypes=("float32",),
         directory=True,
         adapters=True,
+        card=CardSpec(
+            what="a PEFT LoRA adapter",
+            usage=(
+                "python",
+                "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM\n\n"
+                "base = AutoModelForCausalLM.from_pretrained({base}\n"
+                'model = PeftModel.from_pretrained(base, "{where}")',
+            ),
+            library="peft",
+            tags=("peft",),
+        ),
     ),
 ):
     register_format(_spec)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
 import subprocess
 import time
@@ -237,15 +236,7 @@ def machine_name() -> str:
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
         return f"{count} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    cpu = _cpu_model() or platform.processor() or platform.machine()
+    from plugintrain.core.peak_flops import cpu_name
+
+    cpu = cpu_name()
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None

@@ -49,14 +49,15 @@ def export(
 ) -> int:
     """A checkpoint for transformers, llm.c or llama.cpp, or its LoRA adapters for peft.
 
-    Writes a checkpoint written by `plugintrain fit` (a .ckpt file or a sharded checkpoint
-    directory) as a Hugging Face directory, an llm.c model file or GGUF (or a LoRA run's
-    adapters as a PEFT adapter directory), one tensor at a time, into OUT.partial renamed
-    into place; every check runs before anything is written.
+    Writes a checkpoint written by `plugintrain fit` (a .ckpt file, a sharded checkpoint
+    directory, or a run's checkpoints folder, meaning its newest) as a Hugging Face
+    directory, an llm.c model file or GGUF (or a LoRA run's adapters as a PEFT adapter
+    directory), one tensor at a time, into OUT.partial renamed into place; every check
+    runs before anything is written.
 
     Args:
-        ckpt: a checkpoint written by `plugintrain fit` (a .ckpt file or a sharded
-            checkpoint directory)
+        ckpt: a checkpoint written by `plugintrain fit` (a .ckpt file, a sharded
+            checkpoint directory, or a run's checkpoints folder: its newest complete one)
         out: output: a directory for hf and peft, a file for llmc and gguf
         format: output format; peft: a LoRA run's adapters as PEFT writes them
             (adapter_config.json and adapter_model.safetensors, Hugging Face module names),
@@ -67,6 +68,12 @@ def export(
         merge_lora: CKPT is a LoRA run's checkpoint: write its base weights with the
             adapters merged in (W + alpha/r B A, one tensor at a time)
     """
+    from plugintrain.tools._models import newest_in
+
+    try:
+        ckpt = newest_in(ckpt) or ckpt
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return _run(_Job("export", ckpt, out, format, dtype, overwrite, merge_lora))
 
 

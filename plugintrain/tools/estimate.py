@@ -109,7 +109,7 @@ OPTION_HELP = {
     **{f"intra_{k}": text for k, text in _link_help("NVLink").items()},
     **{f"inter_{k}": text for k, text in _link_help("the network").items()},
     "matmul_efficiency": "fraction of the dense peak large matmuls reach (h100 0.75, a100 0.85)",
-    "attention_efficiency": "fraction of the dense peak attention reaches (h100 0.40, a100 0.60)",
+    "attention_efficiency": "fraction of the dense peak attention reaches (h100 0.35, a100 0.6)",
 }
 
 

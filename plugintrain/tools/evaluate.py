@@ -625,24 +625,14 @@ def _base_logps(args: Namespace, data: EvalData) -> np.ndarray:
 def _run_tasks(args: Namespace) -> int:
     """``--tasks``: lm-evaluation-harness's tasks on plugintrain's model
     (:class:`plugintrain.tools.lm_eval_model.PluginTrainLM`); lm-eval's table, or its
-    ``results`` as JSON."""
-    try:
-        import lm_eval
-        from lm_eval.tasks import TaskManager
+    ``results`` as JSON. The tasks are checked before the model loads
+    (:func:`plugintrain.tools.lm_eval_tasks.check_tasks`)."""
+    from plugintrain.tools.lm_eval_tasks import check_tasks, run_tasks
 
-        from plugintrain.tools.lm_eval_model import PluginTrainLM
-    except ImportError as error:
-        raise ConfigError(
-            f"--tasks runs lm-evaluation-harness: {error}; pip install lm_eval==0.4.13"
-        ) from None
-    manager = TaskManager(include_path=args.include_path)
     tasks = [t for t in args.tasks.split(",") if t]
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ConfigError(
-            f"--tasks {unknown[0]}: lm-eval knows no such task; `plugintrain lm-eval ls tasks`"
-            " lists them (add --include_path for a folder of your own task YAMLs)"
-        )
+    checked = check_tasks(tasks, args.include_path, args.num_fewshot)
+    from plugintrain.tools.lm_eval_model import PluginTrainLM  # lm_eval: found by the check
+
     try:
         model = PluginTrainLM(
             weights=args.weights,
@@ -653,14 +643,7 @@ def _run_tasks(args: Namespace) -> int:
         )
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(str(error)) from None
-    results = lm_eval.simple_evaluate(
-        model=model,
-        tasks=tasks,
-        num_fewshot=args.num_fewshot,
-        limit=args.limit,
-        task_manager=manager,
-        log_samples=False,
-    )
+    results = run_tasks(checked, model, limit=args.limit)
     if args.json is None:
         from lm_eval.utils import make_table
 

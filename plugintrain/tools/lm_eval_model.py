@@ -56,6 +56,9 @@ class PluginTrainLM(TemplateLM):
         max_gen_toks: Default bound of generated tokens (a task's ``max_gen_toks`` wins).
         add_bos_token: Lead every text with BOS (default: as the tokenizer does).
         tokenizer: Another tokenizer spec (default: the one the weights came with).
+        module: Instead of ``weights``: a model already loaded (a training run's, with
+            ``config`` and ``model``, on its device), as
+            :class:`~plugintrain.callbacks.Evaluate` evaluates it during training.
     """
 
     backend = "causal"
@@ -70,10 +73,11 @@ class PluginTrainLM(TemplateLM):
         max_gen_toks: int = 256,
         add_bos_token: bool | str | None = None,
         tokenizer: str | None = None,
+        module: Any = None,
         **_: Any,
     ) -> None:
         super().__init__()
-        if weights is None and adapter is None:
+        if module is None and weights is None and adapter is None:
             raise ValueError("pass --model_args weights=WEIGHTS (and adapter=ADAPTER)")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm-eval's command line passes cuda:0 unless told; its hf model falls back too
@@ -81,8 +85,11 @@ class PluginTrainLM(TemplateLM):
                 f"plugintrain: no CUDA device for --device {device}; using the CPU", file=sys.stderr
             )
             device = "cpu"
-        self._device = pick_device(device)
-        self.module = load_model(weights, adapter, merge=adapter is not None).to(self._device)
+        if module is not None:  # a live model (plugintrain.callbacks.Evaluate), on its device
+            self._device, self.module = module.device, module
+        else:
+            self._device = pick_device(device)
+            self.module = load_model(weights, adapter, merge=adapter is not None).to(self._device)
         self.tokenizer = get_tokenizer(tokenizer or model_tokenizer(self.module))
         self.batch_size = int(str(batch_size).split(":")[0]) if str(batch_size) != "auto" else 8
         self.max_length = int(max_length or self.module.config.block_size)

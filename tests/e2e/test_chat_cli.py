@@ -1,6 +1,7 @@
 """The chat fine-tuning path from the command line, as the README runs it: `prepare dates`,
-`prepare chat`, `fit` with the chat LoRA recipe (on a debug model), then `evaluate` and
-`generate --chat` on what it trained."""
+`prepare chat`, `fit` with the chat LoRA recipe (on a debug model) evaluating the held-out
+answers as it trains (`plugintrain.callbacks.Evaluate`), then `evaluate`, `generate --chat`
+and `export` (with its model card) on what it trained."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from plugintrain.cli import main
 from _cli import RECIPES, run_cli
 
 RECIPE = RECIPES / "smollm2_lora_chat_cpu.yaml"
+EVALUATED = ("eval/loss", "eval/exact_match", "eval/contains")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,9 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "--trainer.max_steps=3", "--trainer.val_check_interval=3",
         "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
         "--checkpoint.every_n_train_steps=3",
+        "--trainer.callbacks+=plugintrain.callbacks.Evaluate",
+        f"--trainer.callbacks.data={folder}", "--trainer.callbacks.every_n_steps=2",
+        "--trainer.callbacks.max_new_tokens=8",
         cwd=root, fresh_interpreter=False,
     )  # fmt: skip
     return {
@@ -48,6 +53,10 @@ def test_the_recipe_trains_on_packed_masked_rows(chat_run: dict[str, Any]) -> No
 
 
 def test_evaluate_scores_the_held_out_answers(chat_run: dict[str, Any]) -> None:
+    """``evaluate`` on the last checkpoint scores what the Evaluate callback logged at the
+    last step, from the live model (LoRA unmerged), to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = chat_run["root"] / "eval.json"
     args = ["evaluate", "--weights", str(chat_run["checkpoints"]), "--data",
             str(chat_run["folder"]), "--max_new_tokens", "8", "--json", str(out)]  # fmt: skip
@@ -56,6 +65,30 @@ def test_evaluate_scores_the_held_out_answers(chat_run: dict[str, Any]) -> None:
     assert result["examples"] == 6
     assert math.isfinite(result["loss"]) and result["loss"] > 0
     assert 0.0 <= result["exact_match"] <= result["contains"] <= 1.0
+    events = EventAccumulator(str(chat_run["root"] / "runs/smollm2_lora_chat_cpu/version_0"))
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in EVALUATED}
+    for tag in EVALUATED:
+        assert set(logged[tag]) == {2, 3}, tag  # every 2 steps, and at the last
+        measure = tag.removeprefix("eval/")
+        assert logged[tag][3] == pytest.approx(result[measure], rel=1e-5, abs=1e-6), tag
+    assert events.Scalars("eval/seconds")[-1].value > 0
+
+
+def test_the_model_card_of_the_export_holds_the_evaluation(
+    chat_run: dict[str, Any], tmp_path
+) -> None:
+    """``export --format hf --merge-lora`` writes a README.md that ``huggingface_hub``
+    reads, with the in-training evaluation's scores as model-index results."""
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "hf"
+    export = ["export", str(chat_run["checkpoints"]), str(out), "--format", "hf", "--merge-lora"]
+    assert main(export) == 0
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and "plugintrain" in card.data.tags
+    scores = {(r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert set(scores) >= {("dates_chat", "exact_match"), ("dates_chat", "loss")}
 
 
 def test_generate_answers_each_conversation(chat_run: dict[str, Any], capsys) -> None:

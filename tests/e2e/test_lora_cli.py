@@ -14,11 +14,14 @@ import pytest
 import torch
 import transformers
 import yaml
+from huggingface_hub import ModelCard
 
 from plugintrain.checkpoints.files import load_torch_file
+from plugintrain.checkpoints.resume import checkpoint_entry
 from plugintrain.cli import PluginTrainCLI, main
 from plugintrain.data.token_bin import write_token_bin
 from plugintrain.formats.lora_checkpoints import weights_sha256
+from plugintrain.formats.model_card import RUN_RECORD_KEY
 from plugintrain.model_zoo.lora import is_adapter_name
 
 from _hf_models import random_hf_llama
@@ -244,7 +247,8 @@ def test_generate_takes_a_run_directory(lora_run: dict[str, Any], capsys) -> Non
 def test_export_peft_loads_in_peft_and_back(lora_run: dict[str, Any], tmp_path: Path, capsys):
     """``export --format peft``: ``peft``'s PeftModel on the base gives our logits (base +
     adapters, unmerged); ``generate --adapter`` of the PEFT directory samples what the
-    run's checkpoint does; a whole model or a merge is refused in one line."""
+    run's checkpoint does; its model card is read by ``huggingface_hub``; a whole model or a
+    merge is refused in one line."""
     import peft
 
     from plugintrain.tools._models import load_with_adapter
@@ -263,6 +267,12 @@ def test_export_peft_loads_in_peft_and_back(lora_run: dict[str, Any], tmp_path: 
         torch.testing.assert_close(model(x).logits, ours(x), rtol=1e-4, atol=1e-4)
     from_peft = _generate(capsys, "--weights", str(lora_run["base"]), "--adapter", str(out))
     assert from_peft == _generate(capsys, "--adapter", ckpt)
+    card = ModelCard.load(out / "README.md")  # huggingface_hub's parser reads the card
+    assert card.data.library_name == "peft" and {"lora", "peft"} <= set(card.data.tags)
+    assert card.data.base_model is None  # a local base has no Hub id to name
+    assert "LoRA (r=4" in card.text
+    record = checkpoint_entry(ckpt, RUN_RECORD_KEY)  # what fit's RunRecord kept
+    assert card.data.datasets == ["data"] and f"**Steps**: {record['step']}" in card.text
     message = _error(
         capsys, "export", str(lora_run["base"]), str(tmp_path / "x"), "--format", "peft"
     )

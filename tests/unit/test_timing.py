@@ -26,6 +26,7 @@ from plugintrain.estimate.timing import (
     Link,
     collective_time,
     formula_costs,
+    power_limited_clock,
     predict,
     tokens_per_step,
     traced_costs,
@@ -114,7 +115,7 @@ def test_one_gpu_step_is_its_matmuls_at_the_sustained_rate() -> None:
     matmuls = 6 * tokens * (4 * per_block + v * d)  # 4 blocks and the head, 3 passes
     attention = 4 * 3 * (2 * tokens * 256 * h * 2 * hd) / 2  # causal: half of the scores
     peak = DENSE_PEAK_FLOPS["h100 sxm"]["bf16"]  # the layout is bf16-mixed
-    compute = matmuls / (peak * 0.75) + attention / (peak * 0.40)
+    compute = matmuls / (peak * 0.75) + attention / (peak * 0.35)
     # Memory-bound kernels, bytes a token of a block's forward: two RMSNorms (pow, mean,
     # two multiplies: 6 accesses of the fp32 width), five bf16 casts of their outputs for
     # the Linears (read fp32, write bf16), RoPE on q (256 wide) and k (128: half of the
@@ -132,6 +133,56 @@ def test_one_gpu_step_is_its_matmuls_at_the_sustained_rate() -> None:
     step = compute + memory + prediction.breakdown["optimizer"]
     assert prediction.step_time == pytest.approx(step)
     assert prediction.tokens_per_second == pytest.approx(tokens / prediction.step_time)
+
+
+def test_a_power_limit_slows_the_tensor_cores_not_the_mfu_denominator() -> None:
+    # NVIDIA's two H100 boards: 989.4 dense bf16 TFLOP/s at 700 W (SXM), 835.5 at 400 W
+    # (NVL); torchtitan's 500 W boards lie between them, a third of the way up.
+    assert power_limited_clock(700) == pytest.approx(1.0)
+    assert power_limited_clock(400) * 989.4 == pytest.approx(835.5)
+    assert power_limited_clock(500) * 989.4 == pytest.approx(835.5 + (989.4 - 835.5) / 3)
+    titan = CLUSTERS["h100-500w-roce"]
+    assert (titan.hbm_bandwidth, titan.tensor_clock) == (2.4e12, power_limited_clock(500))
+    with pytest.raises(ValueError, match="watts=300"):
+        power_limited_clock(300)
+    # Half the clock: twice the compute, half the MFU (still over the datasheet's peak).
+    layout = Layout.of("single", precision="bf16-mixed", micro_batch=4, seq_len=256)
+    free = dataclasses.replace(CLUSTERS["h100-ib"], hbm_bandwidth=1e30)
+    costs = formula_costs(CONFIG, layout)
+    rated = predict(costs, CONFIG, layout, free)
+    capped = predict(costs, CONFIG, layout, dataclasses.replace(free, tensor_clock=0.5))
+    assert capped.breakdown["compute"] == pytest.approx(2 * rated.breakdown["compute"])
+    assert capped.mfu == pytest.approx(rated.mfu / 2, rel=1e-3)  # (the optimizer's step aside)
+
+
+def test_fsdp2_copies_and_unhidden_edges_are_priced() -> None:
+    # dp4 FSDP2 under bf16-mixed, CONFIG's P parameters (tied embedding 512 x 256, final
+    # norm 256, four blocks of q 256x256, k and v 128x256, o 256x256, SwiGLU 3 x 384x256
+    # and two norms). Per step: two gathers of bf16 weights, each copied out (read and
+    # written, 2 x 2P bytes) and copied in from the fp32 shards (P/4 read at 4 bytes,
+    # written at 2); one fp32 reduce-scatter of the gradients, chunk-concatenated from
+    # bf16 (2P read, 4P written).
+    block = 256 * 256 * 2 + 128 * 256 * 2 + 3 * 384 * 256 + 2 * 256
+    outside = 512 * 256 + 256
+    params = outside + 4 * block
+    copies = 2 * (2 * 2 * params + params / 4 * (4 + 2)) + (2 + 4) * params
+    fsdp = Layout.of("hybrid", precision="bf16-mixed", micro_batch=2, seq_len=128, dp=4,
+                     zero_stage=3)  # fmt: skip
+    zero2 = dataclasses.replace(fsdp, dims=dataclasses.replace(fsdp.dims, zero_stage=2))
+    (three,), (two,) = formula_costs(CONFIG, fsdp), formula_costs(CONFIG, zero2)
+    assert three.memory_bytes - two.memory_bytes == pytest.approx(copies)
+    # The first two units (what is outside the blocks, then block 0) gather before the
+    # first block runs and reduce-scatter after the last backward: exposed however long
+    # the compute, the rest of FSDP2's traffic hidden under it.
+    edge = outside + block
+    assert {(c.op, c.count, c.bytes) for c in three.fsdp_edge} == {
+        ("all_gather", 2, 2 * edge),  # bf16
+        ("reduce_scatter", 2, 4 * edge),  # fp32
+    }
+    link = Link(1e12, 0.0)
+    fast = dataclasses.replace(CLUSTERS["h100-ib"], intra=link)
+    exposed = sum(collective_time(c, link) for c in three.fsdp_edge)
+    assert predict([three], CONFIG, fsdp, fast).breakdown["dp exposed"] == pytest.approx(exposed)
 
 
 @pytest.mark.parametrize(("schedule", "vpp"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
