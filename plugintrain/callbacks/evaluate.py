@@ -123,7 +123,7 @@ class Evaluate(Callback):
     ) -> None:
         step = trainer.global_step
         due = self.every_n_steps and step % self.every_n_steps == 0
-        last = trainer.max_steps is not None and step >= trainer.max_steps
+        last = trainer.max_steps > 0 and step >= trainer.max_steps  # -1: bounded by epochs
         if step > 0 and step != self._evaluated_at and (due or last):
             self.evaluate(trainer, pl_module)
 
@@ -177,12 +177,14 @@ class Evaluate(Callback):
         trainer.save_checkpoint(path)
         results = None
         if trainer.is_global_zero:
-            base = getattr(pl_module, "weights", None) if _has_adapter(trainer) else None
-            weights, adapter = (base, str(path)) if base is not None else (str(path), None)
-            module = load_model(weights, adapter, merge=True).to(pl_module.device)
-            results = self._run(module)
-            del module
-            _remove(folder)
+            try:
+                base = getattr(pl_module, "weights", None) if _has_adapter(trainer) else None
+                weights, adapter = (base, str(path)) if base is not None else (str(path), None)
+                module = load_model(weights, adapter, merge=True).to(pl_module.device)
+                results = self._run(module)
+                del module
+            finally:
+                _remove(folder)  # never leave a whole checkpoint behind
         return results
 
     def _run(self, module: Any) -> dict[str, Any]:
@@ -260,7 +262,12 @@ def evaluation_metrics(found: dict[str, Any]) -> dict[str, float]:
 
 def holds_whole_weights(trainer: Trainer) -> bool:
     """Whether every rank holds the whole model and runs it alone: no tensor, pipeline,
-    expert or context parallelism and no FSDP2 (``hybrid``'s layout), any other strategy."""
+    expert or context parallelism and no FSDP2 (``hybrid``'s layout), and not Lightning's
+    own ``fsdp`` or ``deepspeed``; any other strategy (one device, DDP, ZeRO-1/2)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if isinstance(trainer.strategy, FSDPStrategy | DeepSpeedStrategy):
+        return False  # Lightning's own sharding: a forward on one rank would wait for peers
     dims = getattr(trainer.strategy, "dims", None)
     if dims is None:
         return True

@@ -51,8 +51,32 @@ class RunRecord(SaveConfigCallback):
             self._record = self._describe(trainer, pl_module)
             # trainer.log_dir is a broadcast: read it here, on every rank, never in
             # save_config, which runs on rank 0 alone
-            self._config_path = Path(trainer.log_dir or ".") / self.config_filename
+            log_dir = trainer.log_dir
+            if log_dir is None and self.save_to_log_dir:
+                log_dir = self._save_beside_checkpoints(trainer)
+            self._config_path = Path(log_dir or ".") / self.config_filename
         super().setup(trainer, pl_module, stage)
+
+    def _save_beside_checkpoints(self, trainer: Trainer) -> str:
+        """Where the first logger has no folder (an MLflow store in a database, W&B):
+        ``config.yaml`` goes beside the run's checkpoints (``runs/<experiment>/``), written
+        here on rank 0, as Lightning's callback would have in the logger's folder."""
+        from plugintrain.tracking import logger_home
+
+        config = self.config.get(str(self.config.get("subcommand")), self.config)
+        home = logger_home(config.get("trainer", {}).get("logger"))
+        folder = Path(*home) if home is not None else Path(trainer.default_root_dir)
+        self.save_to_log_dir = False
+        if trainer.is_global_zero:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.parser.save(
+                self.config,
+                str(folder / self.config_filename),
+                skip_none=False,
+                overwrite=self.overwrite,
+                multifile=self.multifile,
+            )
+        return str(folder)
 
     @override
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -245,3 +245,33 @@ def test_an_evaluation_file_of_the_wrong_kind_is_one_line_before_launch(
     evaluate = {"class_path": "plugintrain.callbacks.Evaluate", "init_args": {"data": __file__}}
     line = _refused(work, shakespeare_llama3, "wrong_kind", {"trainer": {"callbacks": [evaluate]}})
     assert f"--data {__file__}: not a file of conversations" in line
+
+
+def test_mlflow_alone_tracks_to_its_default_store_with_the_recipe_beside_the_checkpoints(
+    work: Path, shakespeare_llama3: Path
+) -> None:
+    """MLflow as the only logger (no folder of its own): the SQLite store under runs/ by
+    default, config.yaml and the checkpoints under runs/<experiment>/, the recipe logged."""
+    from mlflow import MlflowClient
+
+    out = work / "alone"
+    out.mkdir()
+    logger = {
+        "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+        "init_args": {"experiment_name": "alone"},
+    }
+    (out / "logger.yaml").write_text(yaml.safe_dump({"trainer": {"logger": logger}}))
+    run_cli(
+        "fit", "--config", str(RECIPES / "llama3_debug_shakespeare_cpu.yaml"),
+        "--config", str(out / "logger.yaml"), f"--data.init_args.data_dir={shakespeare_llama3}",
+        "--data.init_args.seq_len=32", "--data.init_args.batch_size=2",
+        "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+        "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+        cwd=out, fresh_interpreter=False,
+    )  # fmt: skip
+    assert (out / "runs/alone/config.yaml").is_file()
+    assert (out / "runs/alone/checkpoints/last.ckpt").is_file()
+    client = MlflowClient(tracking_uri=f"sqlite:///{out}/runs/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("alone").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [0, 1]
+    assert "config.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
