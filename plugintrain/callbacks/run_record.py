@@ -44,6 +44,7 @@ class RunRecord(SaveConfigCallback):
         super().__init__(*args, **kwargs)
         self._record: dict[str, Any] | None = None
         self._config_path: Path | None = None
+        self._recipe: str | None = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -80,11 +81,20 @@ class RunRecord(SaveConfigCallback):
 
     @override
     def save_config(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        record = self._record or self._describe(trainer, pl_module)
         config = self._config_path or Path(self.config_filename)
+        if config.is_file():  # just written by this rank: the recipe without a second dump
+            self._recipe = config.read_text()
+        record = {**(self._record or self._describe(trainer, pl_module)), "recipe": self.recipe()}
         for logger in trainer.loggers:
             logger.log_hyperparams(run_parameters(record))
             _log_files(logger, record, config if config.is_file() else None)
+
+    def recipe(self) -> str:
+        """The resolved recipe, as ``config.yaml`` holds it (dumped once, where this rank
+        did not write the file)."""
+        if self._recipe is None:
+            self._recipe = self.parser.dump(self.config, skip_none=False)
+        return self._recipe
 
     def record(self, trainer: Trainer) -> dict[str, Any]:
         """The run's record now: what :meth:`setup` found, the step, the last metrics and
@@ -95,6 +105,7 @@ class RunRecord(SaveConfigCallback):
         )
         return {
             **(self._record or {}),
+            "recipe": self.recipe(),
             "step": trainer.global_step,
             "epoch": trainer.current_epoch,
             "metrics": _scalars(trainer.callback_metrics),
@@ -113,7 +124,6 @@ class RunRecord(SaveConfigCallback):
         return {
             "plugintrain_version": plugintrain.__version__,
             "git_commit": git_commit(Path.cwd()),
-            "recipe": self.parser.dump(self.config, skip_none=False),
             "model": {
                 "class_path": type(pl_module).__module__ + "." + type(pl_module).__qualname__,
                 "weights": init.get("weights"),
