@@ -12,7 +12,12 @@ Any of Lightning's loggers may be named, one or a list. Before anything is launc
   shows (Lightning's default, a ``./mlruns`` file store, is deprecated by MLflow 3);
 - a tracking URI that cannot be reached (a server that does not answer, a database in a
   folder that cannot be made) is one line naming it, before training starts rather than
-  at the first logged metric.
+  at the first logged metric;
+- ``CometLogger``: offline (``online: false``) only through ``plugintrain.loggers.CometLogger``
+  (Lightning's writes nothing offline), into ``runs/comet`` unless ``offline_directory`` says
+  otherwise; online only with an API key;
+- ``NeptuneLogger``, which Lightning 2.6 removed (Neptune has been sunset), is one line
+  naming the loggers to use instead.
 """
 
 from __future__ import annotations
@@ -25,13 +30,22 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MLFLOW_STORE = "runs/mlflow.db"
+DEFAULT_COMET_FOLDER = "runs/comet"
 PACKAGES = {
     "MLFlowLogger": ("mlflow", "'plugintrain[mlflow]'"),
     "WandbLogger": ("wandb", "'plugintrain[wandb]'"),
-    "CometLogger": ("comet_ml", "comet-ml"),
-    "NeptuneLogger": ("neptune", "neptune"),
+    "CometLogger": ("comet_ml", "'plugintrain[comet]'"),
+    "LitLogger": ("litlogger", "litlogger"),
 }
 """Lightning's loggers that need a package of their own: logger -> (module, pip argument)."""
+GONE = {
+    "NeptuneLogger": "Neptune has been sunset and Lightning 2.6 no longer has its logger",
+}
+"""Loggers a recipe may still name that no longer work: logger -> why."""
+COMET_OFFLINE_FAULT = (
+    "with online: false writes nothing (Lightning disables its offline Comet experiment,"
+    " Lightning-AI/pytorch-lightning#21617)"
+)
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -59,6 +73,11 @@ def check_loggers(logger: Any) -> None:
     """
     for entry in logger_entries(logger):
         name = _class_name(entry)
+        if name in GONE:
+            raise ValueError(
+                f"trainer.logger {name}: {GONE[name]}; log to MLFlowLogger, WandbLogger or"
+                " CometLogger instead (docs/guides/tracking.md)"
+            )
         if name in PACKAGES:
             module, pip = PACKAGES[name]
             try:
@@ -80,6 +99,31 @@ def check_loggers(logger: Any) -> None:
             check_tracking_uri(uri)
             if uri.startswith("sqlite:///"):
                 make_sqlite_store(uri)
+        if name == "CometLogger" and init_args is not None:
+            _check_comet(entry, init_args)
+
+
+def _check_comet(entry: Any, init_args: Any) -> None:
+    """Comet offline (``online: false``) needs plugintrain's logger and gets a folder under
+    ``runs/``; online needs an API key, checked before launch."""
+    class_path = str(entry.get("class_path"))
+    if init_args.get("online") is False:
+        if not class_path.startswith("plugintrain."):
+            raise ValueError(
+                f"trainer.logger {class_path} {COMET_OFFLINE_FAULT}; use class_path:"
+                " plugintrain.loggers.CometLogger, which writes the offline archive"
+            )
+        if not init_args.get("offline_directory"):
+            init_args["offline_directory"] = DEFAULT_COMET_FOLDER
+        return
+    from comet_ml.config import get_config
+
+    if not (init_args.get("api_key") or get_config()["comet.api_key"]):
+        raise ValueError(
+            "trainer.logger CometLogger: no Comet API key (api_key, COMET_API_KEY or"
+            " ~/.comet.config); set one (comet login), or log offline with class_path:"
+            " plugintrain.loggers.CometLogger and online: false"
+        )
 
 
 def check_tracking_uri(uri: str) -> None:
@@ -141,7 +185,7 @@ def logger_home(logger: Any) -> tuple[str, str] | None:
     entries = logger_entries(logger)
     for entry in entries:
         init_args = entry.get("init_args") if hasattr(entry, "get") else None
-        own_folder = _class_name(entry) not in ("MLFlowLogger", "WandbLogger")
+        own_folder = _class_name(entry) not in ("MLFlowLogger", "WandbLogger", "CometLogger")
         if (
             own_folder
             and init_args is not None
@@ -157,4 +201,6 @@ def logger_home(logger: Any) -> tuple[str, str] | None:
             return "runs", str(init_args.get("experiment_name") or "lightning_logs")
         if _class_name(entry) == "WandbLogger":
             return "runs", str(init_args.get("project") or init_args.get("name") or "wandb")
+        if _class_name(entry) == "CometLogger":
+            return "runs", str(init_args.get("project") or "comet")
     return None

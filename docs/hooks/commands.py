@@ -65,6 +65,8 @@ EXTERNAL = (
     ".venv/bin/mlflow",
     "wandb",
     ".venv/bin/wandb",
+    "comet",
+    ".venv/bin/comet",
 )
 SHELL_OPERATORS = (">", ">>", "|", "&&", "||", ";", "<", "2>&1", "&")
 TRAINING = ("fit", "validate", "test", "predict")

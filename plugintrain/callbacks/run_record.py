@@ -157,7 +157,7 @@ def run_parameters(record: dict[str, Any]) -> dict[str, Any]:
 
 def _log_files(logger: Logger, record: dict[str, Any], config: Path | None) -> None:
     """The recipe and the data's ``meta.json`` files, where ``logger`` keeps files."""
-    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+    from lightning.pytorch.loggers import CometLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 
     metas = [(Path(f["path"]) / "meta.json", f"data/{f['name']}") for f in record["data"]]
     metas = [(file, where) for file, where in metas if file.is_file()]
@@ -167,6 +167,10 @@ def _log_files(logger: Logger, record: dict[str, Any], config: Path | None) -> N
     elif isinstance(logger, WandbLogger):
         for file, _ in [*([(config, None)] if config else []), *metas]:
             logger.experiment.save(str(file), base_path=str(file.parent.parent), policy="now")
+    elif isinstance(logger, CometLogger):
+        for file, where in [*([(config, None)] if config else []), *metas]:
+            name = f"{where}/{file.name}" if where else file.name
+            logger.experiment.log_asset(str(file), file_name=name)
     elif isinstance(logger, TensorBoardLogger):
         recipe = "\n".join(f"    {line}" for line in record["recipe"].splitlines())
         logger.experiment.add_text("recipe", recipe, 0)

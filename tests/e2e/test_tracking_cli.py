@@ -32,14 +32,18 @@ STEPS = 4
 IGNORED = {"hp_metric"}  # TensorBoard's placeholder for hparams, no metric of ours
 
 
-def _loggers(out: Path, wandb: bool) -> list[dict]:
+def _loggers(out: Path, every_tracker: bool) -> list[dict]:
+    """TensorBoard, MLflow and CSV; with ``every_tracker``, plugintrain's MLflow logger
+    (metrics written in batches: a 4-step run writes them all when it ends), W&B offline
+    and Comet offline too, else Lightning's MLflow logger."""
+    mlflow = "plugintrain.loggers" if every_tracker else "lightning.pytorch.loggers"
     loggers = [
         {
             "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
             "init_args": {"save_dir": str(out), "name": "run"},
         },
         {
-            "class_path": "lightning.pytorch.loggers.MLFlowLogger",
+            "class_path": f"{mlflow}.MLFlowLogger",
             "init_args": {"experiment_name": "run", "tracking_uri": f"sqlite:///{out}/mlflow.db"},
         },
         {
@@ -47,25 +51,34 @@ def _loggers(out: Path, wandb: bool) -> list[dict]:
             "init_args": {"save_dir": str(out / "csv"), "name": "run"},
         },
     ]
-    if wandb:
-        loggers.append(
+    if every_tracker:
+        loggers += [
             {
                 "class_path": "lightning.pytorch.loggers.WandbLogger",
                 "init_args": {"save_dir": str(out), "offline": True, "project": "run"},
-            }
-        )
+            },
+            {
+                "class_path": "plugintrain.loggers.CometLogger",
+                "init_args": {"online": False, "offline_directory": str(out / "comet")},
+            },
+        ]
     return loggers
 
 
 def _fit(
-    work: Path, name: str, data: Path, ranks: int, strategy: object, wandb: bool, *extra_args: str
+    work: Path,
+    name: str,
+    data: Path,
+    ranks: int,
+    strategy: object,
+    every_tracker: bool,
+    *extra_args: str,
 ) -> Path:
     out = work / name
     out.mkdir()
     extra = out / "loggers.yaml"
-    extra.write_text(
-        yaml.safe_dump({"trainer": {"logger": _loggers(out, wandb), "strategy": strategy}})
-    )
+    loggers = _loggers(out, every_tracker)
+    extra.write_text(yaml.safe_dump({"trainer": {"logger": loggers, "strategy": strategy}}))
     run_cli(
         "fit",
         "--config",
@@ -134,6 +147,19 @@ def _wandb(out: Path) -> tuple[dict[str, dict[int, float]], dict]:
     return metrics, config(file)
 
 
+def _comet(out: Path) -> tuple[dict[str, dict[int, float]], dict]:
+    """The run's metrics in its Comet offline archive, less Comet's own system metrics, with
+    Lightning's ``epoch`` (which Comet keeps on each metric, not as one) left out."""
+    from reference.comet_records import read
+
+    (archive,) = (out / "comet").glob("*.zip")
+    metrics, parameters = read(archive)
+    ours = {
+        k: v for k, v in metrics.items() if not k.startswith("sys.") and k != "process duration"
+    }
+    return ours, parameters
+
+
 def _assert_same(got: dict[str, dict[int, float]], want: dict[str, dict[int, float]]) -> None:
     assert set(got) == set(want), set(got) ^ set(want)
     for name, series in want.items():
@@ -168,11 +194,14 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_zero2_on_two_ranks_logs_the_same_scalars_to_every_tracker(
     work: Path, shakespeare_llama3: Path
 ) -> None:
-    out = _fit(work, "zero2", shakespeare_llama3, 2, "zero2", wandb=True)
+    out = _fit(work, "zero2", shakespeare_llama3, 2, "zero2", every_tracker=True)
     tensorboard = _check_run(out, shakespeare_llama3)
     reported, settings = _wandb(out)
     _assert_same(reported, tensorboard)
     assert settings["plugintrain_version"]
+    commented, parameters = _comet(out)
+    _assert_same(commented, {k: v for k, v in tensorboard.items() if k != "epoch"})
+    assert parameters["plugintrain_version"] == settings["plugintrain_version"]
 
 
 def test_a_two_stage_pipeline_logs_its_last_stage_loss_and_evaluation_to_every_tracker(
