@@ -17,6 +17,7 @@ __all__, __getattr__ = lazy_exports(
         "lm": ("CausalLM",),
         "mnist": ("MNISTClassifier",),
         "preference": ("PreferenceLM",),
+        "rl": ("GRPOLM",),
         "transformer": ("Transformer",),
     },
 )

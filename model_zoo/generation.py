@@ -3,7 +3,7 @@ and what a language model offers its users without Lightning."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -119,6 +119,86 @@ def complete(
             stop = next((j for j, t in enumerate(tokens) if t in stop_ids), len(tokens))
             answers[i] = tokens[:stop]
     return answers
+
+
+@torch.no_grad()  # not inference mode: the tokens are a training step's inputs
+def sample_with_logps(
+    model: Transformer,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    stop_ids: Collection[int] = (),
+    stopped: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample continuations of the prompts ``idx`` ``(B, T)`` (rows of one length) with a
+    KV cache, recording each drawn token's log-probability under the model's distribution
+    at ``temperature`` (before top-k/top-p truncation, as the policy's log-probs are
+    computed in training).
+
+    Args:
+        model: The transformer.
+        idx: Prompt token ids, ``(B, T)``.
+        max_new_tokens: Most tokens to draw per row.
+        temperature: Softmax temperature, > 0.
+        top_k: Draw only among the k most likely tokens; None: all.
+        top_p: Draw only from the smallest set of most likely tokens whose probabilities
+            reach ``top_p`` (nucleus sampling); 1: all.
+        stop_ids: Ids that end a row (drawn and kept as its last token).
+        stopped: Given the new tokens so far ``(B, n)``, which rows a stop string has ended
+            (``(B,)`` bool), or None.
+        generator: The random numbers the draws take (None: torch's global ones).
+
+    Returns:
+        ``(tokens, logps, lengths)``: the drawn tokens ``(B, n)`` (after a row ends, its
+        last token repeated), their log-probs ``(B, n)`` float32, and each row's length up
+        to and including its stop token ``(B,)``.
+    """
+    _setup_kv_cache(model, idx, max_new_tokens)
+    stops = torch.tensor(sorted(stop_ids), dtype=idx.dtype, device=idx.device)
+    rows = idx.size(0)
+    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=idx.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=idx.device)
+    tokens: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    try:
+        for step in range(max_new_tokens):
+            logits = _next_logits(model, idx, step, True).float() / temperature  # (B, V)
+            log_probs = torch.log_softmax(logits, dim=-1)
+            drawn = _draw(logits, top_k, top_p, generator)  # (B, 1)
+            drawn = torch.where(done[:, None], tokens[-1] if tokens else drawn, drawn)
+            tokens.append(drawn)
+            logps.append(log_probs.gather(-1, drawn))
+            idx = torch.cat((idx, drawn), dim=1)
+            ended = torch.isin(drawn[:, 0], stops)
+            if stopped is not None:
+                ended |= stopped(torch.cat(tokens, dim=1))
+            newly = ended & ~done
+            lengths = torch.where(newly, torch.full_like(lengths, step + 1), lengths)
+            done |= ended
+            if done.all():
+                break
+    finally:
+        model.clear_kv_cache()
+    return torch.cat(tokens, dim=1), torch.cat(logps, dim=1), lengths
+
+
+def _draw(
+    logits: torch.Tensor, top_k: int | None, top_p: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One token per row of temperature-scaled ``logits`` ``(B, V)``, from the top-k and
+    top-p (nucleus) truncated distribution: ``(B, 1)``."""
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        before = torch.softmax(ordered, dim=-1).cumsum(dim=-1) - torch.softmax(ordered, dim=-1)
+        ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # the first always kept
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
 
 def _equal_length_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:

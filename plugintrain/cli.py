@@ -44,6 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The last line printed, and the only one: the value and the fix.
         print(f"plugintrain {args[0]}: error: {error}", file=sys.stderr)
         return 2
+    except ValueError as error:
+        if not getattr(error, "one_line", False):
+            raise
+        # Bad input met during the run (a reward function's failure): one line, printed last.
+        print(f"plugintrain {args[0]}: error: {error}", file=sys.stderr)
+        return 2
     # 128 + the signal's number when a signal stopped the run (GracefulStop), else 0.
     status = getattr(cli, "exit_status", 0)
     if status and argv is None:  # a command's own process: no finalization to wait for

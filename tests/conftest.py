@@ -47,7 +47,8 @@ def _fresh_launch_environment() -> Iterator[None]:
 # run alone at the end). Each starts while the other worker still has work, and the many
 # short unit files fill the end.
 SLOWEST_FIRST = (
-    "e2e/test_resume_anywhere.py", "e2e/test_preference_trl.py", "e2e/test_signals.py",
+    "e2e/test_resume_anywhere.py", "e2e/test_preference_trl.py", "e2e/test_grpo_trl.py",
+    "e2e/test_signals.py",
     "e2e/test_hybrid_launch.py", "e2e/test_preference_layouts.py",
     "e2e/test_cli.py", "e2e/test_qlora_layouts.py", "e2e/test_preemption.py",
     "e2e/test_pretrained.py", "distributed/test_pipeline.py", "e2e/test_bench.py",
@@ -55,7 +56,7 @@ SLOWEST_FIRST = (
     "e2e/test_elastic.py", "distributed/test_hybrid.py", "e2e/test_wheel.py",
     "unit/test_gpu_check.py", "e2e/test_docs_site.py", "unit/test_startup.py",
     "distributed/test_estimate_distributed.py", "e2e/test_tracking_cli.py",
-    "e2e/test_tracking_ui.py",
+    "e2e/test_tracking_ui.py", "e2e/test_grpo_cli.py",
 )  # fmt: skip
 
 

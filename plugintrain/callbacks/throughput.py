@@ -25,12 +25,18 @@ from plugintrain.core.peak_flops import device_peak_flops
 
 
 def _samples_in_batch(batch: Any) -> int:
-    """Number of samples: the leading dimension of the batch's first tensor."""
+    """Number of samples: the leading dimension of the batch's first tensor (a batch that
+    says its own size, a rollout's: its ``samples``)."""
+    if hasattr(batch, "samples"):
+        return int(batch.samples)
     return int(batch[0].size(0))
 
 
 def _tokens_in_batch(batch: Any) -> int:
-    """Tokens for integer (token id) inputs, samples for anything else (e.g. images)."""
+    """Tokens for integer (token id) inputs, samples for anything else (e.g. images); a
+    batch that says its own size (a rollout's): its ``tokens``."""
+    if hasattr(batch, "tokens"):
+        return int(batch.tokens)
     inputs = batch[0]
     if inputs.dtype in (torch.int32, torch.int64) and inputs.dim() >= 2:
         return int(inputs.numel())

@@ -12,6 +12,7 @@ __all__, __getattr__ = lazy_exports(
         "assets": ("ASSETS", "Asset", "AssetError", "cache_root", "fetch_asset"),
         "datamodules.chat_datamodule": ("ChatDataModule",),
         "datamodules.preference_datamodule": ("PreferenceDataModule",),
+        "datamodules.prompt_datamodule": ("PromptDataModule",),
         "prepare.chat_formats": ("ChatDataError", "detect_format", "read_chat_rows", "to_messages"),
         "prepare.chat_prepare": ("ChatPrepareOptions", "prepare_chat"),
         "prepare.preference_prepare": ("PreferencePrepareOptions", "prepare_preference"),

@@ -1,0 +1,117 @@
+"""GRPO through the command line (issue 48): the demo recipe on a debug model over real
+prompts from ``prepare chat``; ZeRO-2 over two ranks equal to one process; a reward that
+raises refused in one line.
+
+The prompts are the dates data's, through ``prepare chat`` (GPT-2's tokenizer, the plain
+template). The model is ``gpt2-debug`` with random weights, so the rewards are a length
+penalty and a format check, which vary from one completion to the next (no answer would
+ever match), and the loss is ``dapo``'s token mean over every rank's completions (GRPO's
+on-policy loss is 0 by construction: a group's advantages sum to 0) over completions a
+stop string (the letter ``e``) ends at varied lengths. Completions are drawn from
+generators seeded by the run's seed, the example and the step, so every layout samples
+the same ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plugintrain.cli import main
+
+from _cli import RECIPES, run_cli
+
+STEPS = 3
+REWARDS = [
+    {
+        "class_path": "plugintrain.core.rewards.LengthPenalty",
+        "init_args": {"budget": 4, "per_char": 0.05},
+    },
+    {"class_path": "plugintrain.core.rewards.RegexFormat", "init_args": {"pattern": ".*[0-9].*"}},
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("grpo")
+    assert main(["prepare", "dates", "--count", "40", "--out", str(root / "dates.jsonl")]) == 0
+    folder = root / "dates_chat"
+    prepare = ["prepare", "chat", str(root / "dates.jsonl"), "--tokenizer", "gpt2"]
+    assert main([*prepare, "--template", "plain", "--seq_len", "64", "--val_examples", "6",
+                 "--out", str(folder)]) == 0  # fmt: skip
+    return folder
+
+
+def _fit(work: Path, prompts: Path, ranks: int, *extra: str, exit_code: int = 0) -> Any:
+    rewards = work / "rewards.yaml"
+    settings = {"rewards": REWARDS, "reward_weights": [1.0, 1.0]}
+    rewards.write_text(json.dumps({"model": {"init_args": settings}}))
+    return run_cli(
+        "fit", "--config", str(RECIPES / "smollm2_grpo_cpu.yaml"), "--config", str(rewards),
+        "--model.init_args.weights=null", "--model.init_args.config=gpt2-debug",
+        "--model.init_args.max_new_tokens=8", "--model.init_args.num_generations=4",
+        "--model.init_args.loss_type=dapo", '--model.init_args.stop_strings=["e"]',
+        f"--data.init_args.data_dir={prompts}", f"--data.init_args.batch_size={2 // ranks}",
+        f"--trainer.max_steps={STEPS}", f"--trainer.devices={ranks}",
+        "--trainer.strategy=zero2" if ranks > 1 else "--trainer.devices=1",
+        "--trainer.callbacks=[]", *extra,
+        cwd=work, exit_code=exit_code, fresh_interpreter=False, ranks=ranks,
+    )  # fmt: skip
+
+
+def _scalars(work: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (run,) = (work / "runs" / "smollm2_grpo_cpu").glob("version_*")
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_prompts_are_the_chat_examples_up_to_the_answer(prompts: Path) -> None:
+    from plugintrain.data import PromptDataModule
+
+    data = PromptDataModule(str(prompts), batch_size=2)
+    data.setup("fit")
+    held_out = [json.loads(line)["messages"] for line in (prompts / "val.messages.jsonl").open()]
+    assert len(data.val_set) == len(held_out)
+    for index, messages in enumerate(held_out):
+        ids, fields = data.val_set[index]
+        assert fields["answer"] == messages[-1]["content"].strip()
+        assert messages[0]["content"] in fields["prompt"]
+        assert messages[-1]["content"] not in fields["prompt"][-len(messages[-1]["content"]) :]
+        assert data.decode(ids.tolist()) == fields["prompt"]
+
+
+def test_zero2_on_two_ranks_gives_the_one_process_losses(prompts: Path, tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    _fit(one, prompts, 1)
+    _fit(two, prompts, 2)
+    alone, zero2 = _scalars(one), _scalars(two)
+    assert len(alone["train_loss"]) == STEPS
+    # dapo (a token mean over every rank's tokens): longer completions weigh more, so the
+    # on-policy loss is not 0
+    assert all(abs(loss) > 1e-4 for loss in alone["train_loss"]), [
+        alone[k] for k in ("train_loss", "train_reward_std", "train_completion_length")
+    ]
+    assert zero2["train_loss"] == pytest.approx(alone["train_loss"], rel=1e-5, abs=1e-7)
+    # the steps after the first sample from the updated weights: the updates were equal
+    assert zero2["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
+    for tag in ("train_rollout_seconds", "train_completion_length", "train_entropy"):
+        assert tag in alone, tag
+    assert (one / "runs/smollm2_grpo_cpu/checkpoints/last.ckpt").is_file()
+
+
+def test_a_reward_that_raises_is_one_line_naming_it_and_the_prompt(
+    prompts: Path, tmp_path: Path
+) -> None:
+    bad = '[{"class_path": "plugintrain.core.rewards.NumericMatch", "init_args": {"field": "x"}}]'
+    weights = "--model.init_args.reward_weights=[1.0]"
+    proc = _fit(tmp_path, prompts, 1, f"--model.init_args.rewards={bad}", weights, exit_code=2)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("plugintrain fit: error: reward NumericMatch raised KeyError: 'x'")
+    assert "on the prompt '" in last and "Traceback" not in proc.stderr
