@@ -158,9 +158,8 @@ def sample_with_logps(
     """
     _setup_kv_cache(model, idx, max_new_tokens)
     stops = torch.tensor(sorted(stop_ids), dtype=idx.dtype, device=idx.device)
-    rows = idx.size(0)
-    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=idx.device)
-    done = torch.zeros(rows, dtype=torch.bool, device=idx.device)
+    lengths = torch.full((idx.size(0),), max_new_tokens, dtype=torch.long, device=idx.device)
+    done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     tokens: list[torch.Tensor] = []
     logps: list[torch.Tensor] = []
     try:

@@ -230,8 +230,7 @@ class GRPOLM(CausalLM):
             raise ValueError(problem)
         self._rollout: list[Group] | None = None
         self._uses = 0
-        self._stop_ids: set[int] = set()
-        self._seed = 0
+        self._stop_ids, self._seed = set(), 0
         self._decode: Callable[[list[int]], str] | None = None
 
     # -- setup ---------------------------------------------------------------------------
@@ -358,11 +357,10 @@ class GRPOLM(CausalLM):
         for name, value in stats.items():
             label = {"low": "clip_ratio/low", "high": "clip_ratio/high"}.get(name, name)
             self.log(f"train_{label}", value / tokens.clamp(min=1.0))
-        self.log("train_clip_ratio/region", (stats["low"] + stats["high"]) / tokens.clamp(min=1.0))
-        rows = len(groups) * self.num_generations
+        self.log("train_clip_ratio/region", (stats["low"] + stats["high"]) / tokens.clamp(min=1))
         length = max(g.prompt.numel() + g.tokens.size(1) for g in groups)
-        self.count_flops(torch.empty(rows, length, device="meta"))  # the update's, not rollouts'
-        return loss, rows, rows * length
+        self.count_flops(torch.empty(completions, length, device="meta"))  # not the rollouts'
+        return loss, completions, completions * length
 
     def completion_logps(
         self, prompt: Tensor, tokens: Tensor, entropy: bool = False

@@ -68,8 +68,9 @@ class MLFlowLogger(LightningMLFlowLogger):
     call, as Lightning's does.
 
     Args:
+        *args: Lightning's ``MLFlowLogger`` arguments, in its order.
         flush_every_s: The longest a logged metric waits before it is written.
-        *args, **kwargs: Lightning's ``MLFlowLogger`` arguments (``experiment_name``,
+        **kwargs: Lightning's ``MLFlowLogger`` arguments by name (``experiment_name``,
             ``tracking_uri``, ``run_name``, ``tags``, ``artifact_location``, ...).
     """
 
