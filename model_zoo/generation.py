@@ -7,7 +7,6 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plugintrain.model_zoo.config import TransformerConfig
@@ -194,10 +193,12 @@ def _draw(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         ordered, order = torch.sort(logits, dim=-1, descending=True)
-        before = torch.softmax(ordered, dim=-1).cumsum(dim=-1) - torch.softmax(ordered, dim=-1)
+        probs = torch.softmax(ordered.float(), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # the mass ranked above each token
         ordered = ordered.masked_fill(before >= top_p, float("-inf"))  # the first always kept
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
-    return torch.multinomial(torch.softmax(logits, dim=-1), num_samples=1, generator=generator)
+    probs = torch.softmax(logits.float(), dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
 def _equal_length_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
@@ -236,11 +237,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None) -> torc
     """Pick one token id per row of ``logits`` ``(B, V)``: ``(B, 1)``."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+    return _draw(logits / temperature, top_k, 1.0, None)
 
 
 class TextGenerator:
