@@ -221,6 +221,22 @@ def attend(
     )
 
 
+def cache_mask(input_pos: torch.Tensor, slots: int, pads: torch.Tensor | None) -> torch.Tensor:
+    """Which of a KV cache's ``slots`` the queries at ``input_pos`` ``(T,)`` attend to:
+    slot ``s`` from the query at slot ``p`` when ``s <= p`` (later slots are not written
+    yet), ``(T, slots)``. With left-padded rows (``pads`` ``(B,)``, each row's count), also
+    not a row's pad slots: ``(B, 1, T, slots)``. A pad's own query sees itself, so the pad
+    slots hold finite values (a query that saw nothing would write NaN, and a NaN value
+    poisons even a zero attention weight)."""
+    keys = torch.arange(slots, device=input_pos.device)
+    mask = input_pos[:, None] >= keys  # (T, slots)
+    if pads is None:
+        return mask
+    real = keys >= pads[:, None]  # (B, slots)
+    itself = input_pos[:, None] == keys  # (T, slots)
+    return mask & (real[:, None, None, :] | itself)  # (B, 1, T, slots)
+
+
 class KVCache(nn.Module):
     """Keys and values of past positions, for incremental decoding.
 
@@ -233,6 +249,8 @@ class KVCache(nn.Module):
         head_dim: Channels per head.
         device: Where to allocate the buffers.
         dtype: Dtype of the buffers (the model's activation dtype).
+        pads: Left-padded prompts: each row's pad count ``(B,)``, slots no query of the row
+            attends to (:func:`cache_mask`); None: no padding.
     """
 
     def __init__(
@@ -243,11 +261,13 @@ class KVCache(nn.Module):
         head_dim: int,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        pads: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         shape = (batch_size, n_kv_head, max_seq_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.pads = pads
 
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -257,6 +277,13 @@ class KVCache(nn.Module):
         self.k[:B, :, input_pos] = k
         self.v[:B, :, input_pos] = v
         return self.k[:B], self.v[:B]  # (B, nkv, max_seq_len, hs)
+
+    def repeat(self, copies: int) -> None:
+        """Each row ``copies`` times in a row (a prompt prefilled once for its group)."""
+        self.k = self.k.repeat_interleave(copies, dim=0)
+        self.v = self.v.repeat_interleave(copies, dim=0)
+        if self.pads is not None:
+            self.pads = self.pads.repeat_interleave(copies)
 
 
 QK_NORM_PLAN = {
@@ -328,8 +355,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor
     ) -> torch.Tensor:
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, nkv, max_seq_len, hs)
-        # Query at position p sees cached keys 0..p; slots past the prompt are still zeros.
-        mask = input_pos[:, None] >= torch.arange(k.size(2), device=q.device)  # (T, max_seq_len)
+        mask = cache_mask(input_pos, k.size(2), self.kv_cache.pads)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=q.size(1) != k.size(1)
         )  # (B, nh, T, hs)

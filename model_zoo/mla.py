@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plugintrain.model_zoo.config import MLAConfig, TransformerConfig
-from plugintrain.model_zoo.layers import Documents, apply_rope, attend
+from plugintrain.model_zoo.layers import Documents, apply_rope, attend, cache_mask
 
 _LATENT_NORM_EPS = 1e-6
 """The latent norms' epsilon, whatever ``norm_eps`` the blocks' norms have: DeepSeek's
@@ -54,6 +54,7 @@ class LatentKVCache(nn.Module):
         mla: The attention's shape.
         device: Where to allocate the buffers.
         dtype: Dtype of the buffers (the model's activation dtype).
+        pads: Left-padded prompts' pad counts ``(B,)`` (``layers.cache_mask``); None: none.
     """
 
     def __init__(
@@ -63,8 +64,10 @@ class LatentKVCache(nn.Module):
         mla: MLAConfig,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        pads: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
+        self.pads = pads
         latent = torch.zeros(batch_size, max_seq_len, mla.kv_lora_rank, device=device, dtype=dtype)
         k_rope = torch.zeros(
             batch_size, 1, max_seq_len, mla.qk_rope_head_dim, device=device, dtype=dtype
@@ -81,6 +84,13 @@ class LatentKVCache(nn.Module):
         self.latent[:B, input_pos] = latent
         self.k_rope[:B, :, input_pos] = k_rope
         return self.latent[:B], self.k_rope[:B]
+
+    def repeat(self, copies: int) -> None:
+        """Each row ``copies`` times in a row (a prompt prefilled once for its group)."""
+        self.latent = self.latent.repeat_interleave(copies, dim=0)
+        self.k_rope = self.k_rope.repeat_interleave(copies, dim=0)
+        if self.pads is not None:
+            self.pads = self.pads.repeat_interleave(copies)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -158,8 +168,7 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, k_nope.size(1), -1, -1)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)  # (B, nh, T, qk)
         if cached:
-            # Query at position p sees cached keys 0..p; slots past the prompt are zeros.
-            mask = input_pos[:, None] >= torch.arange(k.size(2), device=q.device)
+            mask = cache_mask(input_pos, k.size(2), self.kv_cache.pads)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             dropout_p = self.dropout_p if self.training else 0.0

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from plugintrain.core.rewards import reward_name, score
 from plugintrain.model_zoo.config import TransformerConfig
-from plugintrain.model_zoo.generation import sample_with_logps
+from plugintrain.model_zoo.generation import left_pad, sample_with_logps
 from plugintrain.model_zoo.lm import CausalLM
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
@@ -154,6 +154,48 @@ class Group:
     texts: list[str] = field(default_factory=list)
 
 
+@dataclass
+class GroupScorer:
+    """Scores one prompt's sampled completions: their texts as the rewards read them, the
+    rewards' weighted sum and the group's advantages (:class:`GRPOLM`'s settings)."""
+
+    rewards: list[Callable[..., float]]
+    weights: list[float]
+    advantage: str
+    stop_ids: set[int]
+    decode: Callable[[list[int]], str]
+    stop_strings: list[str]
+
+    def group(
+        self, prompt: Tensor, fields: dict[str, Any], tokens: Tensor, logps: Tensor, lengths: Tensor
+    ) -> Group:
+        """The :class:`Group` of ``prompt``'s completions ``tokens`` ``(G, n)``, drawn at
+        ``logps``, each ``lengths`` long (through its stop), for the row's ``fields``."""
+        steps = torch.arange(tokens.size(1), device=tokens.device)
+        mask = (steps[None] < lengths[:, None]).float()
+        texts = [
+            self.text(row[:n].tolist()) for row, n in zip(tokens, lengths.tolist(), strict=True)
+        ]
+        table = torch.tensor(score(self.rewards, fields["prompt"], texts, fields))  # (G, R)
+        total = (table * torch.tensor(self.weights, dtype=table.dtype)).sum(dim=1)
+        advantages = group_advantages(total, tokens.size(0), self.advantage)
+        return Group(
+            prompt, tokens, logps, mask, advantages.to(tokens.device).float(), table, texts
+        )
+
+    def text(self, ids: list[int]) -> str:
+        """A completion as the rewards read it: up to its stop token or stop string."""
+        text = self.decode([t for t in ids if t not in self.stop_ids])
+        for stop in self.stop_strings:
+            text = text.split(stop, 1)[0]
+        return text
+
+    def stop_string_rows(self, tokens: Tensor) -> Tensor:
+        """Which rows of new tokens ``(B, n)`` hold a stop string."""
+        found = [any(s in self.decode(row.tolist()) for s in self.stop_strings) for row in tokens]
+        return torch.tensor(found, device=tokens.device)
+
+
 class GRPOLM(CausalLM):
     """A :class:`~plugintrain.model_zoo.CausalLM` trained by reinforcement learning on its
     own samples, scored by reward functions (GRPO, Dr. GRPO, RLOO; module docstring).
@@ -180,6 +222,8 @@ class GRPOLM(CausalLM):
         kl_ratio: Weigh each token's KL term by its policy ratio (see
             :class:`ClippedPolicyLoss`).
         mu: Optimizer steps per rollout.
+        rollout_batch_size: Most prompts whose groups decode together (``G`` rows each,
+            the KV cache's batch); None: the step's whole batch.
 
     The other arguments are :class:`~plugintrain.model_zoo.CausalLM`'s, with no weight
     decay and no warmup by default.
@@ -209,6 +253,7 @@ class GRPOLM(CausalLM):
         beta: float = 0.0,
         kl_ratio: bool = True,
         mu: int = 1,
+        rollout_batch_size: int | None = None,
     ) -> None:
         super().__init__(
             config, optimizer, weight_decay, warmup_steps, lr_decay_steps, min_lr_ratio, weights
@@ -222,6 +267,7 @@ class GRPOLM(CausalLM):
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.stop_strings = list(stop_strings or [])
         self.advantage, self.mu = advantage, mu
+        self.rollout_batch_size = rollout_batch_size
         self.policy = ClippedPolicyLoss(
             loss_type, epsilon, epsilon_high, beta, max_new_tokens, kl_ratio
         )
@@ -229,9 +275,8 @@ class GRPOLM(CausalLM):
         if problem is not None:
             raise ValueError(problem)
         self._rollout: list[Group] | None = None
-        self._uses = 0
-        self._stop_ids, self._seed = set(), 0
-        self._decode: Callable[[list[int]], str] | None = None
+        self._uses, self._seed = 0, 0
+        self.scorer: GroupScorer | None = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -245,36 +290,43 @@ class GRPOLM(CausalLM):
             raise ValueError(problem)
 
     def setup(self, stage: str) -> None:
-        """The data's stop tokens and decoder; the launch checks (the Python API runs no
-        others)."""
+        """The launch checks (the Python API runs no others); :meth:`use_data`."""
         datamodule = self.trainer.datamodule
         self.check_launch(self.trainer, datamodule)
-        self._stop_ids = set(datamodule.stop_ids)
-        self._decode = datamodule.decode
+        self.use_data(datamodule)
         self._seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) * 7919
         super().setup(stage)
         self.loss_mask = False
+
+    def use_data(self, datamodule: Any) -> None:
+        """Score completions with the prompts' stop tokens and decoder (a
+        ``PromptDataModule``'s ``stop_ids`` and ``decode``)."""
+        stops, decode = set(datamodule.stop_ids), datamodule.decode
+        self.scorer = GroupScorer(
+            self.rewards, self.reward_weights, self.advantage, stops, decode, self.stop_strings
+        )
 
     # -- rollouts ------------------------------------------------------------------------
 
     def rollout(self, batch: list[tuple[Tensor, dict[str, Any]]]) -> list[Group]:
         """Sample ``num_generations`` completions of each prompt of ``batch``, score them and
-        compute their advantages (no gradients; dropout off)."""
+        compute their advantages (no gradients; dropout off). The groups of up to
+        ``rollout_batch_size`` prompts decode together, their prompts left-padded."""
         training = self.model.training
         self.model.eval()
+        per_call = self.rollout_batch_size or len(batch)
         try:
-            return [self._sample_group(ids.to(self.device), fields) for ids, fields in batch]
+            groups = []
+            for start in range(0, len(batch), per_call):
+                groups += self._sample_groups(batch[start : start + per_call])
+            return groups
         finally:
             self.model.train(training)
 
-    def _sample_group(self, prompt: Tensor, fields: dict[str, Any]) -> Group:
-        idx = prompt[None].expand(self.num_generations, -1)
-        # Seeded by the run's seed, the example and the step: the same completions whatever
-        # rank samples the prompt, so a layout changes nothing but where the work runs.
-        generator = torch.Generator(self.device)
-        generator.manual_seed(
-            _SEED_BASE * (self.global_step + 1) + int(fields.get("index", 0)) + self._seed
-        )
+    def _sample_groups(self, batch: list[tuple[Tensor, dict[str, Any]]]) -> list[Group]:
+        G = self.num_generations
+        prompts = [ids.to(self.device) for ids, _ in batch]
+        idx, pads = left_pad(prompts)  # each prefilled once, then decoded as G rows
         tokens, logps, lengths = sample_with_logps(
             self.model,
             idx,
@@ -282,34 +334,18 @@ class GRPOLM(CausalLM):
             self.temperature,
             self.top_k,
             self.top_p,
-            self._stop_ids,
-            self._stop_string_rows if self.stop_strings else None,
-            generator,
+            self.scorer.stop_ids,
+            self.scorer.stop_string_rows if self.stop_strings else None,
+            [group_generator(self._seed, self.global_step, f, self.device) for _, f in batch],
+            pads if bool(pads.any()) else None,
+            copies=G,
         )
-        steps = torch.arange(tokens.size(1), device=tokens.device)
-        mask = (steps[None] < lengths[:, None]).float()
-        texts = [
-            self._completion_text(row[:n].tolist())
-            for row, n in zip(tokens, lengths.tolist(), strict=True)
+        return [
+            self.scorer.group(
+                prompt, fields, *(t[i * G : (i + 1) * G] for t in (tokens, logps, lengths))
+            )
+            for i, (prompt, (_, fields)) in enumerate(zip(prompts, batch, strict=True))
         ]
-        table = torch.tensor(score(self.rewards, fields["prompt"], texts, fields))  # (G, R)
-        weights = torch.tensor(self.reward_weights, dtype=table.dtype)
-        total = (table * weights).sum(dim=1)
-        advantages = group_advantages(total, self.num_generations, self.advantage)
-        return Group(prompt, tokens, logps, mask, advantages.to(self.device).float(), table, texts)
-
-    def _completion_text(self, ids: list[int]) -> str:
-        """A completion as the rewards read it: up to its stop token or stop string."""
-        ids = [t for t in ids if t not in self._stop_ids]
-        text = self._decode(ids)
-        for stop in self.stop_strings:
-            text = text.split(stop, 1)[0]
-        return text
-
-    def _stop_string_rows(self, tokens: Tensor) -> Tensor:
-        """Which rows of new tokens ``(B, n)`` hold a stop string."""
-        found = [any(s in self._decode(row.tolist()) for s in self.stop_strings) for row in tokens]
-        return torch.tensor(found, device=tokens.device)
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -338,53 +374,59 @@ class GRPOLM(CausalLM):
 
     def policy_loss(self, groups: list[Group]) -> tuple[Tensor, int, int]:
         """The step's loss over ``groups`` (normalized by ``loss_type``), the completions it
-        trained on and the tokens of their rows (prompt and completion)."""
-        numerator = torch.zeros((), device=self.device)
-        tokens = sum(g.mask.sum() for g in groups)
-        stats: dict[str, Tensor] = {}
-        for group in groups:
-            logps, entropy = self.completion_logps(group.prompt, group.tokens, entropy=True)
-            ref = self.reference_logps(group) if self.policy.beta != 0.0 else None
-            per_token, parts = self.policy.per_token(logps, group.logps, group.advantages, ref)
-            numerator = numerator + self.policy.numerator(per_token, group.mask)
-            for name, value in {**parts, "entropy": entropy}.items():
-                masked = (value.float() * group.mask).sum()
-                stats[name] = stats.get(name, 0.0) + masked.detach()
-        all_tokens = self._all_ranks_tokens(tokens)
-        completions = len(groups) * self.num_generations
-        denominator = self.policy.denominator(completions, tokens, all_tokens)
+        trained on and the tokens of their rows (prompt and completion). Every completion
+        is scored in one forward (and the reference's in one more)."""
+        prompts = [g.prompt for g in groups for _ in range(g.tokens.size(0))]
+        tokens, old, mask = (
+            torch.cat([getattr(g, k) for g in groups]) for k in ("tokens", "logps", "mask")
+        )
+        advantages = torch.cat([g.advantages for g in groups])
+        logps, entropy = self.completion_logps(prompts, tokens, entropy=True)
+        ref = self.reference_logps(prompts, tokens) if self.policy.beta != 0.0 else None
+        per_token, parts = self.policy.per_token(logps, old, advantages, ref)
+        numerator = self.policy.numerator(per_token, mask)
+        count = mask.sum()
+        completions = tokens.size(0)
+        denominator = self.policy.denominator(completions, count, self._all_ranks_tokens(count))
         loss = numerator / denominator.to(numerator.device)
+        stats = {
+            name: (value.float() * mask).sum().detach() / count.clamp(min=1.0)
+            for name, value in {**parts, "entropy": entropy}.items()
+        }
         for name, value in stats.items():
             label = {"low": "clip_ratio/low", "high": "clip_ratio/high"}.get(name, name)
-            self.log(f"train_{label}", value / tokens.clamp(min=1.0))
-        self.log("train_clip_ratio/region", (stats["low"] + stats["high"]) / tokens.clamp(min=1))
-        length = max(g.prompt.numel() + g.tokens.size(1) for g in groups)
+            self.log(f"train_{label}", value)
+        self.log("train_clip_ratio/region", stats["low"] + stats["high"])
+        length = max(p.numel() for p in prompts) + tokens.size(1)
         self.count_flops(torch.empty(completions, length, device="meta"))  # not the rollouts'
         return loss, completions, completions * length
 
     def completion_logps(
-        self, prompt: Tensor, tokens: Tensor, entropy: bool = False
+        self, prompts: Tensor | list[Tensor], tokens: Tensor, entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """The policy's log-probs of completion ``tokens`` ``(G, n)`` after ``prompt``
-        ``(T,)`` at the sampling temperature ``(G, n)``, and each position's entropy."""
-        rows = tokens.size(0)
-        x = torch.cat([prompt[None].expand(rows, -1), tokens], dim=1)[:, :-1]
-        logits = self(x)[:, prompt.numel() - 1 :].float() / self.temperature
-        log_probs = torch.log_softmax(logits, dim=-1)
+        """The policy's log-probs of completion ``tokens`` ``(N, n)`` at the sampling
+        temperature ``(N, n)``, and each position's entropy. Each row follows its prompt
+        (``prompts``: one ``(T_i,)`` a row, or one ``(T,)`` for all); rows of different
+        prompt lengths are right-padded, which a causal model reads past."""
+        x, at = completion_rows(prompts, tokens)
+        logits = self(x)
+        logits = logits.gather(1, at[..., None].expand(-1, -1, logits.size(-1)))  # (N, n, V)
+        log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         logps = log_probs.gather(-1, tokens[..., None]).squeeze(-1)
         if not entropy:
             return logps, None
         return logps, -(log_probs.exp() * log_probs).sum(dim=-1).detach()
 
-    def reference_logps(self, group: Group) -> Tensor:
-        """The reference's log-probs of a group's completions: the base, adapters off."""
+    def reference_logps(self, prompts: list[Tensor], tokens: Tensor) -> Tensor:
+        """The reference's log-probs of completions (as :meth:`completion_logps`): the
+        base, adapters off."""
         from plugintrain.model_zoo.lora import adapters_disabled
 
         training = self.model.training
         with torch.no_grad(), adapters_disabled(self.model):
             self.model.eval()
             try:
-                return self.completion_logps(group.prompt, group.tokens)[0]
+                return self.completion_logps(prompts, tokens)[0]
             finally:
                 self.model.train(training)
 
@@ -394,6 +436,35 @@ class GRPOLM(CausalLM):
         if self.policy.loss_type != "dapo" or self._trainer is None or self.trainer.world_size == 1:
             return tokens
         return self.trainer.strategy.reduce(tokens.float(), reduce_op="mean")
+
+
+def group_generator(
+    seed: int, step: int, fields: dict[str, Any], device: torch.device
+) -> torch.Generator:
+    """The random numbers of one prompt's group at training ``step``, seeded by the run's
+    ``seed``, the example (``fields["index"]``) and the step: the same completions whatever
+    rank samples the prompt and whatever else is in its batch, so a layout changes nothing
+    but where the work runs."""
+    generator = torch.Generator(device)
+    generator.manual_seed(_SEED_BASE * (step + 1) + int(fields.get("index", 0)) + seed)
+    return generator
+
+
+def completion_rows(prompts: Tensor | list[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """The model's input for scoring completion ``tokens`` ``(N, n)``, each after its prompt
+    (``prompts``: one ``(T_i,)`` a row, or one ``(T,)`` for all): each row's prompt and
+    completion less its last token, right-padded (a causal model reads past the pads),
+    ``(N, max T_i + n - 1)``; and where each row's predictions of its ``n`` tokens are,
+    ``(N, n)``."""
+    rows, n = tokens.shape
+    if isinstance(prompts, Tensor):
+        prompts = [prompts] * rows
+    starts = [p.numel() - 1 for p in prompts]  # where each row's first prediction is
+    x = tokens.new_zeros(rows, max(starts) + n)
+    for row, prompt, completion in zip(x, prompts, tokens, strict=True):
+        row[: prompt.numel() + n - 1] = torch.cat([prompt, completion[:-1]])
+    at = torch.tensor(starts, device=x.device)[:, None] + torch.arange(n, device=x.device)
+    return x, at
 
 
 def option_problem(module: GRPOLM) -> str | None:
@@ -429,6 +500,11 @@ def option_problem(module: GRPOLM) -> str | None:
         (0 < module.top_p <= 1, f"top_p={module.top_p}: must be in (0, 1]; e.g. top_p: 1.0"),
         (module.max_new_tokens >= 1, f"max_new_tokens={module.max_new_tokens}: must be >= 1"),
         (module.mu >= 1, f"mu={module.mu}: one optimizer step per rollout or more; e.g. mu: 1"),
+        (
+            module.rollout_batch_size is None or module.rollout_batch_size >= 1,
+            f"rollout_batch_size={module.rollout_batch_size}: at least 1 prompt, or null for"
+            " the whole batch",
+        ),
         (
             module.policy.epsilon >= 0,
             f"epsilon={module.policy.epsilon}: must be 0 or more; e.g. epsilon: 0.2",

@@ -67,6 +67,8 @@ class KVCaches:
     config: TransformerConfig
     layers: nn.ModuleDict
     context: ContextShard | None
+    kv_pads: torch.Tensor | None = None
+    """Each row's left pads while the caches hold padded prompts (:meth:`setup_kv_cache`)."""
 
     def setup_kv_cache(
         self,
@@ -74,6 +76,7 @@ class KVCaches:
         max_seq_len: int,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
+        pads: torch.Tensor | None = None,
     ) -> None:
         """Give every attention layer a KV cache (generation only). Generation sees whole
         sequences: a context-parallel split (:attr:`Transformer.context`) is set aside until
@@ -84,6 +87,9 @@ class KVCaches:
             max_seq_len: Prompt plus generated tokens; at most ``block_size``.
             device: Cache device; defaults to the model's.
             dtype: Cache dtype; defaults to the model's parameter dtype.
+            pads: Prompts of several lengths, left-padded to one: each row's pad count
+                ``(B,)``. A row's tokens then take positions from its first real token,
+                and no query attends to its pads (``layers.cache_mask``); None: no pads.
         """
         if max_seq_len > self.config.block_size:
             raise ValueError(
@@ -95,17 +101,27 @@ class KVCaches:
         weight = next(self.parameters())
         device, dtype = device or weight.device, dtype or weight.dtype
         config = self.config
+        self.kv_pads = pads
         for layer in self.layers.values():
             layer.attention.kv_cache = (
-                LatentKVCache(batch_size, max_seq_len, config.mla, device=device, dtype=dtype)
+                LatentKVCache(batch_size, max_seq_len, config.mla, device, dtype, pads)
                 if config.mla is not None
                 else KVCache(
-                    batch_size, max_seq_len, config.kv_heads, config.head_dim, device, dtype
+                    batch_size, max_seq_len, config.kv_heads, config.head_dim, device, dtype, pads
                 )
             )
 
+    def repeat_kv_cache(self, copies: int) -> None:
+        """Repeat each row of the caches ``copies`` times in a row: prompts prefilled once,
+        then decoded as ``copies`` rows each (a group of samples)."""
+        for layer in self.layers.values():
+            layer.attention.kv_cache.repeat(copies)
+        if self.kv_pads is not None:
+            self.kv_pads = self.kv_pads.repeat_interleave(copies)
+
     def clear_kv_cache(self) -> None:
         """Drop the KV caches, freeing their memory (and restore a context-parallel split)."""
+        self.kv_pads = None
         for layer in self.layers.values():
             layer.attention.kv_cache = None
         if getattr(self, "_context_aside", None) is not None:
@@ -247,6 +263,8 @@ class Transformer(KVCaches, nn.Module):
         the head: :meth:`forward` without the logits (arguments as there)."""
         if positions is not None:
             pos = positions
+        elif input_pos is not None and self.kv_pads is not None:  # left-padded rows
+            pos = (input_pos[None] - self.kv_pads[:, None]).clamp_min(0)  # (B, T)
         elif input_pos is not None:
             pos = input_pos
         else:
@@ -290,9 +308,9 @@ class Transformer(KVCaches, nn.Module):
             positions = self.context.take(positions, -1)
         if self.rope_cos is not None:
             rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, r) or (B, T, r)
-        if positions.dim() == 2:  # packed rows: per-row angles (B, 1, T, r), their documents
+        if positions.dim() == 2:  # packed or padded rows: per-row angles (B, 1, T, r)
             rope = None if rope is None else (rope[0][:, None], rope[1][:, None])
-            if mask is None:
+            if mask is None and input_pos is None:  # packed rows: their documents
                 mask = packed_mask(positions, self.packed_attention)
         for key in keys:
             h = self.layers[key](h, rope, input_pos, mask)

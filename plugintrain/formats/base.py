@@ -90,8 +90,13 @@ class Weights:
         check_architecture(config, self)
 
     def load_into(self, model: nn.Module, config: TransformerConfig | None = None) -> None:
-        """See :func:`load_into`."""
+        """See :func:`load_into`. Then lets go of the file's memory maps (a reader that has
+        them reopens them on its next read): pages of a mapped file count in the resident
+        memory while they stay mapped, a second copy of the model beside the loaded one."""
         load_into(model, self, config)
+        release = getattr(self.reader, "release", None)
+        if release is not None:
+            release()
 
     def names(self) -> list[str]:
         """Our tensor names, in the model's order."""

@@ -81,6 +81,10 @@ class HFReader:
             " directory written by save_pretrained (or `plugintrain export --format hf`)."
         )
 
+    def release(self) -> None:
+        """Close the open safetensors files (their memory maps); reopened on the next read."""
+        self._open.clear()
+
     def _keys(self, file: Path) -> list[str]:
         return list(self._handle(file).keys())
 

@@ -117,8 +117,8 @@ def _ours(module: GRPOLM, groups: list[dict[str, torch.Tensor]]) -> float:
         )
         for g in groups
     ]
-    references = {id(group): g["ref_logps"] for group, g in zip(rollout, groups, strict=True)}
-    module.reference_logps = lambda group: references[id(group)]  # the data's, as TRL's input
+    references = torch.cat([g["ref_logps"] for g in groups])
+    module.reference_logps = lambda prompts, tokens: references  # the data's, as TRL's input
     module.zero_grad(set_to_none=True)
     loss, _, _ = module.policy_loss(rollout)
     loss.backward()

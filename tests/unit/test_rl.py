@@ -23,7 +23,7 @@ from plugintrain.core.rewards import (
     RewardError,
     score,
 )
-from plugintrain.model_zoo.generation import sample_with_logps
+from plugintrain.model_zoo.generation import left_pad, sample_with_logps
 from plugintrain.model_zoo.rl import GRPOLM, group_advantages, launch_problem
 
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, -1.0])
@@ -74,6 +74,70 @@ def test_the_log_probs_training_computes_are_the_ones_recorded_while_sampling(
         trained = module.completion_logps(prompt, tokens)[0]
     assert (trained - recorded).abs().max() <= 1e-3
     assert lengths.tolist() == [20] * 6  # no stop id given
+
+
+@pytest.mark.parametrize(
+    "config", ["llama3-debug", "gpt2-debug", "qwen3-debug", "deepseek-v3-debug"]
+)
+def test_prompts_of_several_lengths_sample_together_what_each_samples_alone(config: str) -> None:
+    """Left-padded prompts in one KV-cache batch, each prefilled once and decoded as its
+    group's rows (RoPE, learned positions, qk-norm, latent attention and MoE), draw each
+    group's tokens as that prompt alone, repeated and with its generator, does, at its
+    log-probs; the training forward over right-padded rows of mixed prompt
+    lengths gives each row its log-probs alone."""
+    torch.manual_seed(0)
+    lm = GRPOLM(config=config, rewards=[ExactMatch()], temperature=0.9).eval()
+    lm.configure_model()
+    lm.init_weights()
+    lm.eval()
+    vocab, group = lm.config.vocab_size, 3
+    draw = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (n,), generator=draw) for n in (5, 12, 9)]
+    seeds = [11, 12, 13]
+    idx, pads = left_pad(prompts)
+    assert pads.tolist() == [7, 0, 3]
+    together = sample_with_logps(
+        lm.model, idx, 10, 0.9, None, 0.95, (), None,
+        [torch.Generator().manual_seed(s) for s in seeds], pads, copies=group,
+    )  # fmt: skip
+    for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
+        alone = sample_with_logps(
+            lm.model, prompt[None].expand(group, -1), 10, 0.9, None, 0.95, (), None,
+            torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        rows = slice(i * group, (i + 1) * group)
+        assert torch.equal(together[0][rows], alone[0])
+        torch.testing.assert_close(together[1][rows], alone[1], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        rows_prompts = [p for p in prompts for _ in range(group)]
+        batched = lm.completion_logps(rows_prompts, together[0])[0]
+        for i, prompt in enumerate(prompts):
+            rows = slice(i * group, (i + 1) * group)
+            alone = lm.completion_logps(prompt, together[0][rows])[0]
+            torch.testing.assert_close(batched[rows], alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(batched, together[1], rtol=0, atol=1e-3)
+
+
+def test_the_rollout_sampler_draws_the_truncated_distribution() -> None:
+    """Inverse-CDF draws after top-k and top-p truncation, counted over many rows, against
+    the truncated distribution computed here in plain Python (4.5 standard errors)."""
+    from plugintrain.model_zoo.generation import _draw
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    probs = [math.exp(x) for x in logits.tolist()]
+    for top_k, top_p in [(None, 1.0), (4, 1.0), (None, 0.8), (5, 0.9)]:
+        kept = list(range(len(probs) if top_k is None else top_k))
+        mass, nucleus = sum(probs[i] for i in kept), []
+        for i in kept:  # most likely first, while the mass above is below top_p
+            if sum(probs[j] for j in nucleus) / mass < top_p:
+                nucleus.append(i)
+        expected = [probs[i] / sum(probs[j] for j in nucleus) if i in nucleus else 0.0
+                    for i in range(len(probs))]  # fmt: skip
+        rows = 200_000
+        drawn = _draw(logits.expand(rows, -1), top_k, top_p, torch.Generator().manual_seed(5))
+        counts = torch.bincount(drawn.flatten(), minlength=len(probs)).tolist()
+        for count, p in zip(counts, expected, strict=True):
+            assert abs(count / rows - p) <= 4.5 * math.sqrt(p * (1 - p) / rows), (top_k, top_p)
 
 
 def test_a_stop_token_ends_a_row_and_later_steps_repeat_it(module: GRPOLM) -> None:

@@ -74,10 +74,14 @@ class GGUFFileReader:
             )
         self.family = family
         self._check_tensors()
-        self._map = np.memmap(path, dtype=np.uint8, mode="r")
+        self._map: np.memmap | None = None  # mapped on the first read (and after release)
         self.config = self._config()
         self.tokenizer = str(path) if TOKENIZER_KEYS.LIST in self._fields else None
         self._names = self._hf_names()
+
+    def release(self) -> None:
+        """Unmap the file; mapped again on the next read."""
+        self._map = None
 
     def _field(self, key: str, default: Any = None) -> Any:
         value = self._fields.get(key, default)
@@ -176,6 +180,8 @@ class GGUFFileReader:
 
     def _dequantized(self, info: GGUFTensorInfo) -> Tensor:
         qtype = Q(info.type_id)
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         raw = self._map[info.offset : info.offset + nbytes(info.shape, qtype)]
         raw = raw.reshape(gguf.quants.quant_shape_to_byte_shape(info.shape, qtype))
         array = gguf.quants.dequantize(raw, qtype)
