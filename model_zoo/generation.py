@@ -145,14 +145,15 @@ def sample_with_logps(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     pads: torch.Tensor | None = None,
     copies: int = 1,
+    all_done: Callable[[torch.Tensor], bool] | None = None,
+    forward: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample continuations of the prompts ``idx`` ``(B, T)`` with a KV cache, recording
     each drawn token's log-probability under the model's distribution at ``temperature``
     (before top-k/top-p truncation, as the policy's log-probs are computed in training).
 
-    Prompts of several lengths go in left-padded (:func:`left_pad`): each row's tokens
-    take positions from its first real token and attend to none of its pads, so a row
-    samples what it would alone (up to float rounding in the batched matmuls).
+    Prompts of several lengths go in left-padded (:func:`left_pad`): a row's positions
+    count from its first real token and it attends to none of its pads.
 
     Args:
         model: The transformer.
@@ -165,14 +166,15 @@ def sample_with_logps(
         stop_ids: Ids that end a row (drawn and kept as its last token).
         stopped: Given the new tokens so far ``(B, n)``, which rows a stop string has ended
             (``(B,)`` bool), or None.
-        generator: The random numbers the draws take (None: torch's global ones); a
-            sequence of generators splits the rows into as many equal consecutive blocks,
-            each drawn with its own (a prompt's group samples the same whatever else is in
-            the batch).
+        generator: The draws' random numbers (None: torch's global ones); a sequence
+            splits the rows into as many equal consecutive blocks, one generator each.
         pads: Each row's left pads ``(B,)``; None: rows of one length.
-        copies: Rows sampled from each prompt (a group): each prompt is prefilled once
-            and its KV cache repeated, so the batch holds ``B * copies`` rows, a prompt's
-            consecutive.
+        copies: Rows sampled from each prompt, prefilled once (its KV cache repeated):
+            ``B * copies`` rows, a prompt's consecutive.
+        all_done: Given whether this process's rows have all ended (a bool tensor),
+            whether every process's have (FSDP2: every rank runs every decode step).
+        forward: What runs ``model`` on ``(tokens, input_pos)`` (a LightningModule whose
+            strategy hooks must run); None: ``model``.
 
     Returns:
         ``(tokens, logps, lengths)``: the drawn tokens ``(R, n)`` (``R = B * copies``;
@@ -181,15 +183,9 @@ def sample_with_logps(
     """
     _setup_kv_cache(model, idx, max_new_tokens, pads)
     try:
+        draw, ends = (top_k, top_p, generator), (stopped, all_done)
         return _decode_with_logps(
-            model,
-            idx,
-            max_new_tokens,
-            temperature,
-            (top_k, top_p, generator),
-            stop_ids,
-            stopped,
-            copies,
+            model, forward or model, idx, max_new_tokens, temperature, draw, stop_ids, ends, copies
         )
     finally:
         model.clear_kv_cache()
@@ -197,16 +193,18 @@ def sample_with_logps(
 
 def _decode_with_logps(
     model: Transformer,
+    forward: Callable[..., torch.Tensor],
     idx: torch.Tensor,
     max_new_tokens: int,
     temperature: float,
     draw: tuple[int | None, float, Any],
     stop_ids: Collection[int],
-    stopped: Callable[[torch.Tensor], torch.Tensor] | None,
+    ends: tuple[Callable[[torch.Tensor], torch.Tensor] | None, Callable | None],
     copies: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`sample_with_logps`'s steps, the KV cache set up (``draw``: top-k, top-p and
-    the generator)."""
+    the generator; ``ends``: ``stopped`` and ``all_done``)."""
+    stopped, all_done = ends
     stops = torch.tensor(sorted(stop_ids), dtype=idx.dtype, device=idx.device)
     rows = idx.size(0) * copies
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=idx.device)
@@ -214,7 +212,7 @@ def _decode_with_logps(
     tokens: list[torch.Tensor] = []
     logps: list[torch.Tensor] = []
     for step in range(max_new_tokens):
-        logits = _next_logits(model, idx, step, True).float() / temperature  # (B, V)
+        logits = _next_logits(forward, idx, step, True).float() / temperature  # (B, V)
         if step == 0 and copies > 1:  # the prompts prefilled once: now each row's own
             logits, idx = (t.repeat_interleave(copies, dim=0) for t in (logits, idx))
             model.repeat_kv_cache(copies)
@@ -230,7 +228,8 @@ def _decode_with_logps(
         newly = ended & ~done
         lengths = torch.where(newly, torch.full_like(lengths, step + 1), lengths)
         done |= ended
-        if done.all():
+        finished = done.all()
+        if all_done(finished) if all_done is not None else finished:
             break
     return torch.cat(tokens, dim=1), torch.cat(logps, dim=1), lengths
 

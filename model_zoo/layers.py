@@ -272,7 +272,11 @@ class KVCache(nn.Module):
     def update(
         self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``, ``v`` ``(B, nkv, T, hs)`` at ``input_pos`` ``(T,)``; return every slot."""
+        """Store ``k``, ``v`` ``(B, nkv, T, hs)`` at ``input_pos`` ``(T,)``; return every slot.
+        The buffers take the dtype the keys are computed in (autocast, FSDP2's mixed
+        precision) at the first store."""
+        if self.k.dtype != k.dtype:
+            self.k, self.v = self.k.to(k.dtype), self.v.to(v.dtype)
         B = k.size(0)
         self.k[:B, :, input_pos] = k
         self.v[:B, :, input_pos] = v

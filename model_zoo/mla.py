@@ -79,7 +79,10 @@ class LatentKVCache(nn.Module):
         self, input_pos: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``latent`` ``(B, T, r_kv)`` and ``k_rope`` ``(B, 1, T, r)`` at ``input_pos``
-        ``(T,)``; return every slot."""
+        ``(T,)``; return every slot (in the dtype they are computed in, as
+        ``layers.KVCache``)."""
+        if self.latent.dtype != latent.dtype:
+            self.latent, self.k_rope = self.latent.to(latent.dtype), self.k_rope.to(k_rope.dtype)
         B = latent.size(0)
         self.latent[:B, input_pos] = latent
         self.k_rope[:B, :, input_pos] = k_rope

@@ -196,7 +196,67 @@ class GroupScorer:
         return torch.tensor(found, device=tokens.device)
 
 
-class GRPOLM(CausalLM):
+class RolloutSampling:
+    """:class:`GRPOLM`'s rollouts: a step's prompts decoded together in one KV-cache batch,
+    then scored (its settings and scorer are the module's)."""
+
+    def rollout(self, batch: list[tuple[Tensor, dict[str, Any]]]) -> list[Group]:
+        """Sample ``num_generations`` completions of each prompt of ``batch``, score them and
+        compute their advantages (no gradients; dropout off). The groups of up to
+        ``rollout_batch_size`` prompts decode together, their prompts left-padded."""
+        training = self.model.training
+        self.model.eval()
+        per_call = self.rollout_batch_size or len(batch)
+        try:
+            groups = []
+            for start in range(0, len(batch), per_call):
+                groups += self._sample_groups(batch[start : start + per_call])
+            return groups
+        finally:
+            self.model.train(training)
+
+    def _sample_groups(self, batch: list[tuple[Tensor, dict[str, Any]]]) -> list[Group]:
+        G = self.num_generations
+        prompts = [ids.to(self.device) for ids, _ in batch]
+        idx, pads = left_pad(prompts)  # each prefilled once, then decoded as G rows
+        tokens, logps, lengths = sample_with_logps(
+            self.model,
+            idx,
+            self.max_new_tokens,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.scorer.stop_ids,
+            self.scorer.stop_string_rows if self.stop_strings else None,
+            [group_generator(self._seed, self.global_step, f, self.device) for _, f in batch],
+            pads if bool(pads.any()) else None,
+            copies=G,
+            all_done=self._all_ranks_done if self._gathers_weights() else None,
+            forward=self,  # through the LightningModule: a strategy's hooks (FSDP2) run
+        )
+        return [
+            self.scorer.group(
+                prompt, fields, *(t[i * G : (i + 1) * G] for t in (tokens, logps, lengths))
+            )
+            for i, (prompt, (_, fields)) in enumerate(zip(prompts, batch, strict=True))
+        ]
+
+    def _gathers_weights(self) -> bool:
+        """Whether every forward gathers weight shards from the other ranks (FSDP2), so
+        that every rank must run as many decode steps as the others."""
+        dims = getattr(self._trainer and self.trainer.strategy, "parallel_dims", None)
+        return dims is not None and dims.fsdp_enabled and self.trainer.world_size > 1
+
+    def _all_ranks_done(self, done: Tensor) -> bool:
+        """Whether every rank's rollout rows have ended (one all-reduce of a flag)."""
+        import torch.distributed as dist
+
+        flag = done.to(torch.int32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+
+class GRPOLM(RolloutSampling, CausalLM):
     """A :class:`~plugintrain.model_zoo.CausalLM` trained by reinforcement learning on its
     own samples, scored by reward functions (GRPO, Dr. GRPO, RLOO; module docstring).
 
@@ -224,6 +284,10 @@ class GRPOLM(CausalLM):
         mu: Optimizer steps per rollout.
         rollout_batch_size: Most prompts whose groups decode together (``G`` rows each,
             the KV cache's batch); None: the step's whole batch.
+        share_prompts: Run each prompt once in the update's forward (its keys and values
+            repeated for its group's rows, as the rollout does) instead of once a row:
+            about ``G`` times fewer prompt tokens. Off, or where dropout, recomputed blocks
+            or compilation apply, each row runs its prompt.
 
     The other arguments are :class:`~plugintrain.model_zoo.CausalLM`'s, with no weight
     decay and no warmup by default.
@@ -254,6 +318,7 @@ class GRPOLM(CausalLM):
         kl_ratio: bool = True,
         mu: int = 1,
         rollout_batch_size: int | None = None,
+        share_prompts: bool = True,
     ) -> None:
         super().__init__(
             config, optimizer, weight_decay, warmup_steps, lr_decay_steps, min_lr_ratio, weights
@@ -267,7 +332,7 @@ class GRPOLM(CausalLM):
         self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
         self.stop_strings = list(stop_strings or [])
         self.advantage, self.mu = advantage, mu
-        self.rollout_batch_size = rollout_batch_size
+        self.rollout_batch_size, self.share_prompts = rollout_batch_size, share_prompts
         self.policy = ClippedPolicyLoss(
             loss_type, epsilon, epsilon_high, beta, max_new_tokens, kl_ratio
         )
@@ -306,47 +371,6 @@ class GRPOLM(CausalLM):
             self.rewards, self.reward_weights, self.advantage, stops, decode, self.stop_strings
         )
 
-    # -- rollouts ------------------------------------------------------------------------
-
-    def rollout(self, batch: list[tuple[Tensor, dict[str, Any]]]) -> list[Group]:
-        """Sample ``num_generations`` completions of each prompt of ``batch``, score them and
-        compute their advantages (no gradients; dropout off). The groups of up to
-        ``rollout_batch_size`` prompts decode together, their prompts left-padded."""
-        training = self.model.training
-        self.model.eval()
-        per_call = self.rollout_batch_size or len(batch)
-        try:
-            groups = []
-            for start in range(0, len(batch), per_call):
-                groups += self._sample_groups(batch[start : start + per_call])
-            return groups
-        finally:
-            self.model.train(training)
-
-    def _sample_groups(self, batch: list[tuple[Tensor, dict[str, Any]]]) -> list[Group]:
-        G = self.num_generations
-        prompts = [ids.to(self.device) for ids, _ in batch]
-        idx, pads = left_pad(prompts)  # each prefilled once, then decoded as G rows
-        tokens, logps, lengths = sample_with_logps(
-            self.model,
-            idx,
-            self.max_new_tokens,
-            self.temperature,
-            self.top_k,
-            self.top_p,
-            self.scorer.stop_ids,
-            self.scorer.stop_string_rows if self.stop_strings else None,
-            [group_generator(self._seed, self.global_step, f, self.device) for _, f in batch],
-            pads if bool(pads.any()) else None,
-            copies=G,
-        )
-        return [
-            self.scorer.group(
-                prompt, fields, *(t[i * G : (i + 1) * G] for t in (tokens, logps, lengths))
-            )
-            for i, (prompt, (_, fields)) in enumerate(zip(prompts, batch, strict=True))
-        ]
-
     # -- steps ---------------------------------------------------------------------------
 
     def training_step(self, batch: list[tuple[Tensor, dict[str, Any]]], batch_idx: int) -> Tensor:
@@ -376,7 +400,7 @@ class GRPOLM(CausalLM):
         """The step's loss over ``groups`` (normalized by ``loss_type``), the completions it
         trained on and the tokens of their rows (prompt and completion). Every completion
         is scored in one forward (and the reference's in one more)."""
-        prompts = [g.prompt for g in groups for _ in range(g.tokens.size(0))]
+        prompts = [g.prompt for g in groups]
         tokens, old, mask = (
             torch.cat([getattr(g, k) for g in groups]) for k in ("tokens", "logps", "mask")
         )
@@ -399,23 +423,48 @@ class GRPOLM(CausalLM):
         self.log("train_clip_ratio/region", stats["low"] + stats["high"])
         length = max(p.numel() for p in prompts) + tokens.size(1)
         self.count_flops(torch.empty(completions, length, device="meta"))  # not the rollouts'
+        if self._shares_prompts():  # the prompts' tokens counted once
+            self.flops_per_batch *= (len(prompts) * length + completions * tokens.size(1)) / (
+                completions * length
+            )
         return loss, completions, completions * length
 
     def completion_logps(
         self, prompts: Tensor | list[Tensor], tokens: Tensor, entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """The policy's log-probs of completion ``tokens`` ``(N, n)`` at the sampling
-        temperature ``(N, n)``, and each position's entropy. Each row follows its prompt
-        (``prompts``: one ``(T_i,)`` a row, or one ``(T,)`` for all); rows of different
-        prompt lengths are right-padded, which a causal model reads past."""
-        x, at = completion_rows(prompts, tokens)
-        logits = self(x)
-        logits = logits.gather(1, at[..., None].expand(-1, -1, logits.size(-1)))  # (N, n, V)
-        log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        temperature ``(N, n)``, and each position's entropy.
+
+        ``prompts``: one ``(T,)`` for all rows, or a list of ``k`` prompts ``(T_i,)``, each
+        followed by ``N / k`` consecutive rows (a group each, or one a row). With
+        ``share_prompts`` each prompt runs once: the unique prompts, left-padded, fill a KV
+        cache that is repeated for their rows, and the completions attend to it
+        (:func:`shared_prompt_logits`); otherwise every row runs its prompt, right-padded
+        (a causal model reads past the pads; :func:`completion_rows`).
+        """
+        prompts = [prompts] if isinstance(prompts, Tensor) else list(prompts)
+        copies = tokens.size(0) // len(prompts)
+        assert copies * len(prompts) == tokens.size(0), "each prompt followed by equal blocks"
+        if self._shares_prompts():
+            logits = shared_prompt_logits(self, prompts, tokens, copies)
+        else:
+            x, at = completion_rows([p for p in prompts for _ in range(copies)], tokens)
+            logits = self(x)
+            logits = logits.gather(1, at[..., None].expand(-1, -1, logits.size(-1)))
+        log_probs = torch.log_softmax(logits.float() / self.temperature, dim=-1)  # (N, n, V)
         logps = log_probs.gather(-1, tokens[..., None]).squeeze(-1)
         if not entropy:
             return logps, None
         return logps, -(log_probs.exp() * log_probs).sum(dim=-1).detach()
+
+    def _shares_prompts(self) -> bool:
+        """Whether the update runs each prompt once: asked for, and nothing that the KV
+        cache's attention would change (dropout, recomputed blocks, a compiled model)."""
+        plain = all(
+            not hasattr(layer, "_recompute") and getattr(layer, "_compiled_call_impl", None) is None
+            for layer in self.model.layers.values()
+        )
+        return self.share_prompts and plain and (not self.training or self.config.dropout == 0)
 
     def reference_logps(self, prompts: list[Tensor], tokens: Tensor) -> Tensor:
         """The reference's log-probs of completions (as :meth:`completion_logps`): the
@@ -448,6 +497,30 @@ def group_generator(
     generator = torch.Generator(device)
     generator.manual_seed(_SEED_BASE * (step + 1) + int(fields.get("index", 0)) + seed)
     return generator
+
+
+def shared_prompt_logits(
+    module: GRPOLM, prompts: list[Tensor], tokens: Tensor, copies: int
+) -> Tensor:
+    """The logits ``(N, n, V)`` that predict completion ``tokens`` ``(N, n)``, each prompt
+    of ``prompts`` run once for its ``copies`` consecutive rows: the prompts left-padded into
+    a KV cache (gradients flow through it), the cache repeated for the rows, then the
+    completions (less their last token) run after it. The prompt's last position predicts
+    each row's first token."""
+    model, n = module.model, tokens.size(1)
+    idx, pads = left_pad(prompts)
+    width = idx.size(1)
+    model.setup_kv_cache(len(prompts), width + n - 1, pads=pads if bool(pads.any()) else None)
+    try:
+        first = module(idx, torch.arange(width, device=idx.device))[:, -1:]  # (k, 1, V)
+        model.repeat_kv_cache(copies)
+        first = first.repeat_interleave(copies, dim=0)  # (N, 1, V)
+        if n == 1:
+            return first
+        at = torch.arange(width, width + n - 1, device=idx.device)
+        return torch.cat([first, module(tokens[:, :-1], at)], dim=1)
+    finally:
+        model.clear_kv_cache()
 
 
 def completion_rows(prompts: Tensor | list[Tensor], tokens: Tensor) -> tuple[Tensor, Tensor]:
@@ -566,8 +639,9 @@ def launch_problem(module: GRPOLM, trainer: Any, datamodule: Any) -> str | None:
 
 
 def _layout_problem(strategy: Any) -> str | None:
-    """Rollouts run on each rank's whole weights, which tensor, pipeline, expert and context
-    parallelism, FSDP2 (``zero_stage: 3``) and Lightning's ``fsdp``/``deepspeed`` shard."""
+    """Rollouts run each rank's whole model (FSDP2 gathers each block's weights as it runs
+    it, as in training), which tensor, pipeline, expert and context parallelism split, and
+    which Lightning's ``fsdp``/``deepspeed`` strategies are not built to run step by step."""
     if strategy is None:
         return None
     sharded = []
@@ -580,15 +654,13 @@ def _layout_problem(strategy: Any) -> str | None:
             "context_parallel": dims.context_parallel,
         }
         sharded = [f"{name}={degree}" for name, degree in degrees.items() if degree > 1]
-        if dims.fsdp_enabled:
-            sharded.append("FSDP2 (zero_stage=3)")
     if type(strategy).__name__ in ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy"):
         sharded.append(f"Lightning's {type(strategy).__name__}")
     if not sharded:
         return None
     return (
         f"GRPOLM samples rollouts from each rank's whole weights, which {', '.join(sharded)}"
-        " shards; train it on one device, ddp_bucketed, zero1 or zero2"
+        " shards; train it on one device, ddp_bucketed, zero1, zero2 or FSDP2 (zero_stage: 3)"
     )
 
 

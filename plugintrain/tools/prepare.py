@@ -509,6 +509,7 @@ def dates(
     count: int = 2000,
     seed: int = 0,
     preference: bool = False,
+    task: str = "iso",
 ) -> int:
     """The chat demo's conversations: dates as people write them -> ISO 8601.
 
@@ -525,6 +526,8 @@ def dates(
         count: conversations (pairs)
         seed: which dates (the same for both kinds; and which near misses)
         preference: write preference pairs for `prepare preference`
+        task: what each conversation asks: iso (the date in ISO 8601, the chat and DPO
+            demos) or year (its year alone, the RL demo); the same dates either way
     """
     from plugintrain.data.prepare.date_chat import write_date_conversations, write_date_pairs
 
@@ -535,12 +538,16 @@ def dates(
         raise ConfigError(
             f"--out {path} is a folder; give the .jsonl file to write, e.g. {path}/dates.jsonl"
         )
+    if task not in ("iso", "year"):
+        raise ConfigError(f"--task {task}: choose iso (the date in ISO 8601) or year")
+    if preference and task != "iso":
+        raise ConfigError(f"--task {task} with --preference: the pairs ask for ISO dates; drop one")
     if preference:
         written = write_date_pairs(path, count, seed)
         print(json.dumps({"out": str(written), "pairs": count, "seed": seed}))
         return 0
-    written = write_date_conversations(path, count, seed)
-    print(json.dumps({"out": str(written), "conversations": count, "seed": seed}))
+    written = write_date_conversations(path, count, seed, task)
+    print(json.dumps({"out": str(written), "conversations": count, "seed": seed, "task": task}))
     return 0
 
 

@@ -1,6 +1,6 @@
 """GRPO through the command line (issue 48): the demo recipe on a debug model over real
-prompts from ``prepare chat``; ZeRO-2 over two ranks equal to one process; a reward that
-raises refused in one line.
+prompts from ``prepare chat``; ZeRO-2 and FSDP2 (with and without recomputed blocks) over
+two ranks equal to one process; a reward that raises refused in one line.
 
 The prompts are the dates data's, through ``prepare chat`` (GPT-2's tokenizer, the plain
 template). The model is ``gpt2-debug`` with random weights, so the rewards are a length
@@ -45,7 +45,22 @@ def prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _fit(work: Path, prompts: Path, ranks: int, *extra: str, exit_code: int = 0) -> Any:
+HYBRID = "plugintrain.strategies.HybridParallelStrategy"
+LAYOUTS = {
+    "zero2": "zero2",
+    # FSDP2: every rank decodes until every rank's rows have ended (weights gathered per
+    # block at each step); the update runs each prompt once through the KV cache
+    "fsdp2": json.dumps({"class_path": HYBRID, "init_args": {"zero_stage": 3}}),
+    # recomputed blocks: the update runs each row's prompt instead
+    "fsdp2_recompute": json.dumps(
+        {"class_path": HYBRID, "init_args": {"zero_stage": 3, "activation_checkpointing": "full"}}
+    ),
+}
+
+
+def _fit(
+    work: Path, prompts: Path, ranks: int, *extra: str, exit_code: int = 0, layout: str = "zero2"
+) -> Any:
     rewards = work / "rewards.yaml"
     settings = {"rewards": REWARDS, "reward_weights": [1.0, 1.0]}
     rewards.write_text(json.dumps({"model": {"init_args": settings}}))
@@ -56,7 +71,7 @@ def _fit(work: Path, prompts: Path, ranks: int, *extra: str, exit_code: int = 0)
         "--model.init_args.loss_type=dapo", '--model.init_args.stop_strings=["e"]',
         f"--data.init_args.data_dir={prompts}", f"--data.init_args.batch_size={2 // ranks}",
         f"--trainer.max_steps={STEPS}", f"--trainer.devices={ranks}",
-        "--trainer.strategy=zero2" if ranks > 1 else "--trainer.devices=1",
+        f"--trainer.strategy={LAYOUTS[layout]}" if ranks > 1 else "--trainer.devices=1",
         "--trainer.callbacks=[]", *extra,
         cwd=work, exit_code=exit_code, fresh_interpreter=False, ranks=ranks,
     )  # fmt: skip
@@ -86,24 +101,32 @@ def test_prompts_are_the_chat_examples_up_to_the_answer(prompts: Path) -> None:
         assert data.decode(ids.tolist()) == fields["prompt"]
 
 
-def test_zero2_on_two_ranks_gives_the_one_process_losses(prompts: Path, tmp_path: Path) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    _fit(one, prompts, 1)
-    _fit(two, prompts, 2)
-    alone, zero2 = _scalars(one), _scalars(two)
+@pytest.fixture(scope="module")
+def alone(prompts: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    """The one-process run's scalars."""
+    work = tmp_path_factory.mktemp("one")
+    _fit(work, prompts, 1)
+    assert (work / "runs/smollm2_grpo_cpu/checkpoints/last.ckpt").is_file()
+    return _scalars(work)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_give_the_one_process_losses(
+    layout: str, alone: dict[str, list[float]], prompts: Path, tmp_path: Path
+) -> None:
+    _fit(tmp_path, prompts, 2, layout=layout)
+    two = _scalars(tmp_path)
     assert len(alone["train_loss"]) == STEPS
     # dapo (a token mean over every rank's tokens): longer completions weigh more, so the
     # on-policy loss is not 0
     assert all(abs(loss) > 1e-4 for loss in alone["train_loss"]), [
         alone[k] for k in ("train_loss", "train_reward_std", "train_completion_length")
     ]
-    assert zero2["train_loss"] == pytest.approx(alone["train_loss"], rel=1e-5, abs=1e-7)
+    assert two["train_loss"] == pytest.approx(alone["train_loss"], rel=1e-5, abs=1e-7)
     # the steps after the first sample from the updated weights: the updates were equal
-    assert zero2["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
+    assert two["grad_norm"] == pytest.approx(alone["grad_norm"], rel=1e-5)
     for tag in ("train_rollout_seconds", "train_completion_length", "train_entropy"):
         assert tag in alone, tag
-    assert (one / "runs/smollm2_grpo_cpu/checkpoints/last.ckpt").is_file()
 
 
 def test_a_reward_that_raises_is_one_line_naming_it_and_the_prompt(

@@ -6,6 +6,7 @@ bad rewards and long prompts refused in one line naming the value and a fix that
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -118,6 +119,41 @@ def test_prompts_of_several_lengths_sample_together_what_each_samples_alone(conf
     torch.testing.assert_close(batched, together[1], rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("config", ["llama3-debug", "gpt2-debug", "deepseek-v3-debug"])
+def test_prompts_run_once_in_the_update_give_every_row_s_own_run(config: str) -> None:
+    """The update's forward with each prompt run once (a KV cache repeated for its group)
+    gives the log-probs and every weight's gradient of the plain forward in which each row
+    runs its own prompt (prompts of three lengths, left-padded in the cache), within float32
+    rounding: 1e-5 of the whole gradient's norm, 1e-4 of each weight's."""
+    torch.manual_seed(0)
+    lm = GRPOLM(config=config, rewards=[ExactMatch()], temperature=0.9)
+    lm.configure_model()
+    lm.init_weights()
+    lm.train()
+    vocab, group = lm.config.vocab_size, 3
+    draw = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, vocab, (n,), generator=draw) for n in (5, 12, 9)]
+    tokens = torch.randint(0, vocab, (3 * group, 7), generator=draw)
+    weights = torch.randn(tokens.shape, generator=draw)
+    results = []
+    for share in (True, False):
+        lm.share_prompts = share
+        lm.zero_grad(set_to_none=True)
+        logps = lm.completion_logps(prompts, tokens)[0]
+        (logps * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+        results.append((logps.detach(), grads))
+    (shared, shared_grads), (plain, plain_grads) = results
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
+    assert shared_grads.keys() == plain_grads.keys() and len(plain_grads) > 0
+    whole = torch.cat([g.flatten() for g in plain_grads.values()]).norm()
+    error = torch.cat([(shared_grads[n] - g).flatten() for n, g in plain_grads.items()]).norm()
+    assert error <= 1e-5 * whole, f"whole gradient: relative error {error / whole:.1e}"
+    for name, grad in plain_grads.items():  # a bias whose gradient is 0 but for rounding
+        error = (shared_grads[name] - grad).norm()
+        assert error <= 1e-4 * grad.norm() + 1e-7 * whole, f"{name}: error {error:.1e}"
+
+
 def test_the_rollout_sampler_draws_the_truncated_distribution() -> None:
     """Inverse-CDF draws after top-k and top-p truncation, counted over many rows, against
     the truncated distribution computed here in plain Python (4.5 standard errors)."""
@@ -214,3 +250,34 @@ def test_a_prompt_longer_than_the_context_less_max_new_tokens_is_one_line_with_a
     fix = int(problem.split("set max_new_tokens: ")[1].split(" ")[0])
     module.max_new_tokens = fix  # the fix works
     assert launch_problem(module, None, _Prompts()) is None
+
+
+def test_the_year_task_asks_the_iso_task_s_dates_for_their_year(tmp_path: Path, capsys) -> None:
+    """``prepare dates --task year`` (the RL demo's data) asks about the same dates, written
+    the same ways, as the ISO task, and answers each with the ISO date's year; a task it
+    does not know, or one with ``--preference``, is one line."""
+    from plugintrain.cli import main
+
+    iso, year = tmp_path / "iso.jsonl", tmp_path / "year.jsonl"
+    assert main(["prepare", "dates", "--count", "50", "--out", str(iso)]) == 0
+    assert main(["prepare", "dates", "--count", "50", "--task", "year", "--out", str(year)]) == 0
+    iso_rows = [json.loads(line)["messages"] for line in iso.open()]
+    year_rows = [json.loads(line)["messages"] for line in year.open()]
+    prefix = "Write this date in ISO 8601 format (YYYY-MM-DD), and nothing else: "
+    for (iso_q, iso_a), (year_q, year_a) in zip(iso_rows, year_rows, strict=True):
+        written = iso_q["content"].removeprefix(prefix)
+        assert (
+            year_q["content"]
+            == f"Which year is this date in: {written}? Answer with the year only."
+        )
+        assert year_a["content"] == iso_a["content"][:4]
+    capsys.readouterr()
+    assert main(["prepare", "dates", "--task", "month", "--out", str(year)]) == 2
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith("--task month: choose iso (the date in ISO 8601) or year")
+    )
+    assert main(["prepare", "dates", "--task", "year", "--preference"]) == 2
+    assert len(year.read_text().splitlines()) == 50  # nothing written over

@@ -21,6 +21,14 @@ _ORDINALS = {1: "st", 2: "nd", 3: "rd", 21: "st", 22: "nd", 23: "rd", 31: "st"}
 QUESTION = "Write this date in ISO 8601 format (YYYY-MM-DD), and nothing else: {date}"
 """The user turn; ``{date}`` is the date as written by one of :data:`STYLES`."""
 
+TASKS = {
+    "iso": (QUESTION, lambda date: date.isoformat()),
+    "year": ("Which year is this date in: {date}? Answer with the year only.", lambda d: str(d.year)),
+}
+"""What a conversation asks of its date, and its answer: the date in ISO 8601 (the chat
+and DPO demos), or its year alone (the RL demo: SmolLM2-135M-Instruct names the year in a
+sentence nearly always, but never alone)."""
+
 
 def _ordinal(day: int) -> str:
     return f"{day}{_ORDINALS.get(day, 'th')}"
@@ -38,9 +46,11 @@ STYLES = (
 """How the dates are written in the questions."""
 
 
-def _dated_questions(count: int, seed: int) -> list[tuple[datetime.date, str, str]]:
-    """``count`` distinct dates from 1900 to 2099, each with the question asking for it and
-    the date as the question writes it (a style drawn from :data:`STYLES`)."""
+def _dated_questions(
+    count: int, seed: int, question: str = QUESTION
+) -> list[tuple[datetime.date, str, str]]:
+    """``count`` distinct dates from 1900 to 2099, each with ``question`` asking about it
+    and the date as the question writes it (a style drawn from :data:`STYLES`)."""
     rng = random.Random(seed)
     first, span = datetime.date(1900, 1, 1).toordinal(), 200 * 365
     days = rng.sample(range(span), count)
@@ -48,18 +58,20 @@ def _dated_questions(count: int, seed: int) -> list[tuple[datetime.date, str, st
     for day in days:
         date = datetime.date.fromordinal(first + day)
         written = rng.choice(STYLES)(date)
-        out.append((date, QUESTION.format(date=written), written))
+        out.append((date, question.format(date=written), written))
     return out
 
 
-def date_conversations(count: int, seed: int = 0) -> list[dict]:
+def date_conversations(count: int, seed: int = 0, task: str = "iso") -> list[dict]:
     """``count`` conversations ``{"messages": [user, assistant]}``, distinct dates from
-    1900 to 2099, each written in a style drawn from :data:`STYLES`."""
+    1900 to 2099, each written in a style drawn from :data:`STYLES`, asking what ``task``
+    (:data:`TASKS`) asks (the same dates for every task)."""
+    question, answer = TASKS[task]
     rows = []
-    for date, question, _ in _dated_questions(count, seed):
+    for date, asked, _ in _dated_questions(count, seed, question):
         messages = [
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": date.isoformat()},
+            {"role": "user", "content": asked},
+            {"role": "assistant", "content": answer(date)},
         ]
         rows.append({"messages": messages})
     return rows
@@ -105,9 +117,9 @@ def date_pairs(count: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def write_date_conversations(path: Path, count: int, seed: int = 0) -> Path:
+def write_date_conversations(path: Path, count: int, seed: int = 0, task: str = "iso") -> Path:
     """Write :func:`date_conversations` as JSON lines to ``path`` (replaced atomically)."""
-    return _write_rows(path, date_conversations(count, seed))
+    return _write_rows(path, date_conversations(count, seed, task))
 
 
 def write_date_pairs(path: Path, count: int, seed: int = 0) -> Path:
