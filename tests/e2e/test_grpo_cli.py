@@ -23,6 +23,7 @@ import pytest
 from plugintrain.cli import main
 
 from _cli import RECIPES, run_cli
+from _hf_models import random_hf_llama
 
 STEPS = 3
 REWARDS = [
@@ -138,3 +139,28 @@ def test_a_reward_that_raises_is_one_line_naming_it_and_the_prompt(
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("plugintrain fit: error: reward NumericMatch raised KeyError: 'x'")
     assert "on the prompt '" in last and "Traceback" not in proc.stderr
+
+
+def test_qlora_with_a_kl_term_takes_the_reference_from_the_base(tmp_path: Path) -> None:
+    """QLoRA (an nf4 base: a small random Llama, the prompts in Llama 3's tokens) with
+    ``beta`` > 0: the reference is the quantized base with its adapters off. Adapters start
+    with ``B = 0``, so at the first step the policy is the reference and the KL is 0; after
+    updates it is not."""
+    lora = {
+        "class_path": "plugintrain.callbacks.LoRA",
+        "init_args": {"r": 8, "alpha": 16, "quantize": "nf4", "target_modules": ["*.attention.*"]},
+    }
+    assert main(["prepare", "dates", "--count", "12", "--out", str(tmp_path / "d.jsonl")]) == 0
+    prompts = tmp_path / "llama_chat"
+    assert main(["prepare", "chat", str(tmp_path / "d.jsonl"), "--tokenizer", "llama3",
+                 "--template", "plain", "--seq_len", "48", "--val_examples", "2",
+                 "--out", str(prompts)]) == 0  # fmt: skip
+    base = random_hf_llama(tmp_path / "base", vocab=128256)
+    _fit(
+        tmp_path, prompts, 1, f"--trainer.callbacks=[{json.dumps(lora)}]",
+        f"--model.init_args.weights={base}", "--model.init_args.config=null",
+        "--model.init_args.beta=0.04", "--model.init_args.optimizer.init_args.lr=0.05",
+    )  # fmt: skip
+    kl = _scalars(tmp_path)["train_kl"]
+    assert len(kl) == STEPS
+    assert abs(kl[0]) <= 1e-6 and kl[-1] > 1e-6, kl
