@@ -95,10 +95,9 @@ def complete(
 ) -> list[list[int]]:
     """Each prompt's continuation by ``model``, up to (not including) its first stop id.
 
-    Prompts run up to ``batch_size`` at a time, but only with prompts of their own length:
-    the transformer takes no padding mask, so a left-padded row would attend to its pads
-    (and read its tokens at shifted positions). Greedy answers are thus exactly the
-    one-at-a-time ones.
+    Prompts run up to ``batch_size`` at a time, but only with prompts of their own length
+    (no left padding, which :func:`sample_with_logps` takes): greedy answers are thus
+    exactly the one-at-a-time ones.
 
     Args:
         model: The transformer (``eval()`` it first when its config has dropout).
@@ -181,8 +180,8 @@ def sample_with_logps(
         after a row ends, its last token repeated), their log-probs ``(R, n)`` float32,
         and each row's length up to and including its stop token ``(R,)``.
     """
-    _setup_kv_cache(model, idx, max_new_tokens, pads)
     try:
+        _setup_kv_cache(model, idx, max_new_tokens, pads)
         draw, ends = (top_k, top_p, generator), (stopped, all_done)
         return _decode_with_logps(
             model, forward or model, idx, max_new_tokens, temperature, draw, stop_ids, ends, copies
@@ -247,13 +246,19 @@ def _draw(
     of generators: as :func:`sample_with_logps` splits the rows."""
     cdf = _truncated_probs(logits, top_k, top_p).cumsum_(dim=-1)  # (B, V)
     total = cdf[:, -1:]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise FloatingPointError(
+            "the model's next-token probabilities are NaN or all zero (its logits hold NaN"
+            " or inf): check the weights and the learning rate, or lower the precision's"
+            " loss scale"
+        )
     # u * total, kept below the total where it would round up to it: the first cdf above
     # it is then always a token of nonzero probability.
     target = torch.minimum(
         _uniform(logits.size(0), generator, logits.device) * total,
         torch.nextafter(total, torch.zeros_like(total)),
     )
-    return torch.searchsorted(cdf, target, right=True)
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=logits.size(-1) - 1)
 
 
 def _truncated_probs(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:

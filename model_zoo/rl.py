@@ -153,6 +153,16 @@ class Group:
     rewards: Tensor  # (G, R) each reward function's
     texts: list[str] = field(default_factory=list)
 
+    def widened(self, width: int) -> Group:
+        """The group with its completions padded to ``width`` tokens (the last token
+        repeated, as the rollout pads; log-prob 0 and mask 0 there)."""
+        extra = width - self.tokens.size(1)
+        if extra == 0:
+            return self
+        tokens = torch.cat([self.tokens, self.tokens[:, -1:].expand(-1, extra)], dim=1)
+        logps, mask = (torch.nn.functional.pad(t, (0, extra)) for t in (self.logps, self.mask))
+        return Group(self.prompt, tokens, logps, mask, self.advantages, self.rewards, self.texts)
+
 
 @dataclass
 class GroupScorer:
@@ -211,7 +221,10 @@ class RolloutSampling:
             groups = []
             for start in range(0, len(batch), per_call):
                 groups += self._sample_groups(batch[start : start + per_call])
-            return groups
+            # Calls end when their own rows have: one width for the step's update (under
+            # FSDP2 each call's width is every rank's, so the ranks' widths agree too).
+            width = max(g.tokens.size(1) for g in groups)
+            return [g.widened(width) for g in groups]
         finally:
             self.model.train(training)
 
@@ -388,7 +401,8 @@ class GRPOLM(RolloutSampling, CausalLM):
         # loss the whole batch has, as one process computes it.
         self.log("train_loss", loss.detach(), prog_bar=True, sync_dist=True)
         self.log("train_update_forward_seconds", time.perf_counter() - update)
-        return loss
+        aux = self.model.take_aux_loss()  # MoE balance losses of the update's forwards
+        return loss if aux is None else loss + aux
 
     def validation_step(self, batch: list[tuple[Tensor, dict[str, Any]]], batch_idx: int) -> None:
         """Logs ``val_reward`` and ``val_accuracy`` of sampled completions of held-out
@@ -423,10 +437,9 @@ class GRPOLM(RolloutSampling, CausalLM):
         self.log("train_clip_ratio/region", stats["low"] + stats["high"])
         length = max(p.numel() for p in prompts) + tokens.size(1)
         self.count_flops(torch.empty(completions, length, device="meta"))  # not the rollouts'
-        if self._shares_prompts():  # the prompts' tokens counted once
-            self.flops_per_batch *= (len(prompts) * length + completions * tokens.size(1)) / (
-                completions * length
-            )
+        if self._shares_prompts():  # the prompts' tokens run once, the completions' less one
+            run = len(prompts) * (length - tokens.size(1)) + completions * (tokens.size(1) - 1)
+            self.flops_per_batch *= run / (completions * length)
         return loss, completions, completions * length
 
     def completion_logps(
@@ -492,8 +505,8 @@ def group_generator(
 ) -> torch.Generator:
     """The random numbers of one prompt's group at training ``step``, seeded by the run's
     ``seed``, the example (``fields["index"]``) and the step: the same completions whatever
-    rank samples the prompt and whatever else is in its batch, so a layout changes nothing
-    but where the work runs."""
+    rank samples the prompt and whatever else is in its batch (up to floating-point
+    rounding, which batched kernels of other shapes may change on a GPU)."""
     generator = torch.Generator(device)
     generator.manual_seed(_SEED_BASE * (step + 1) + int(fields.get("index", 0)) + seed)
     return generator
@@ -510,8 +523,8 @@ def shared_prompt_logits(
     model, n = module.model, tokens.size(1)
     idx, pads = left_pad(prompts)
     width = idx.size(1)
-    model.setup_kv_cache(len(prompts), width + n - 1, pads=pads if bool(pads.any()) else None)
     try:
+        model.setup_kv_cache(len(prompts), width + n - 1, pads=pads if bool(pads.any()) else None)
         first = module(idx, torch.arange(width, device=idx.device))[:, -1:]  # (k, 1, V)
         model.repeat_kv_cache(copies)
         first = first.repeat_interleave(copies, dim=0)  # (N, 1, V)

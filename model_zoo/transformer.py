@@ -275,7 +275,7 @@ class Transformer(KVCaches, nn.Module):
     # ---- the pieces a pipeline stage runs (plugintrain.core.contracts.StagedModel) -----------
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Token ids ``(B, T)`` at ``positions`` ``(T,)`` (or ``(B, T)``, packed rows) ->
+        """Token ids ``(B, T)`` at ``positions`` ``(T,)`` (or ``(B, T)``, each row's) ->
         hidden states ``(B, T, C)``; under context parallelism, of this rank's chunks:
         ``(B, T / cp, C)``."""
         if self.context is not None:
@@ -297,8 +297,10 @@ class Transformer(KVCaches, nn.Module):
         Args:
             h: Hidden states ``(B, T, C)``, or sequence shards of them under SP.
             keys: Block keys (full-model indices as strings).
-            positions: Positions of the whole sequence ``(T,)`` (for RoPE), or of packed rows
-                ``(B, T)`` (also masks attention at their example boundaries).
+            positions: Positions of the whole sequence ``(T,)`` (for RoPE), or each row's
+                ``(B, T)``: packed rows (also masks attention at their example boundaries),
+                or left-padded rows decoding with a KV cache (``input_pos`` given; the
+                cache masks the pads).
             input_pos: As in :meth:`forward`, for the KV cache.
         """
         rope = mask = None

@@ -9,7 +9,8 @@ ever match), and the loss is ``dapo``'s token mean over every rank's completions
 on-policy loss is 0 by construction: a group's advantages sum to 0) over completions a
 stop string (the letter ``e``) ends at varied lengths. Completions are drawn from
 generators seeded by the run's seed, the example and the step, so every layout samples
-the same ones.
+the same ones. Four prompts a step, decoded two at a time (left-padded together; one
+process makes two decode calls of their own lengths, each of two ranks one).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def _fit(
         "--model.init_args.weights=null", "--model.init_args.config=gpt2-debug",
         "--model.init_args.max_new_tokens=8", "--model.init_args.num_generations=4",
         "--model.init_args.loss_type=dapo", '--model.init_args.stop_strings=["e"]',
-        f"--data.init_args.data_dir={prompts}", f"--data.init_args.batch_size={2 // ranks}",
+        f"--data.init_args.data_dir={prompts}", f"--data.init_args.batch_size={4 // ranks}",
+        "--model.init_args.rollout_batch_size=2",
         f"--trainer.max_steps={STEPS}", f"--trainer.devices={ranks}",
         f"--trainer.strategy={LAYOUTS[layout]}" if ranks > 1 else "--trainer.devices=1",
         "--trainer.callbacks=[]", *extra,

@@ -174,6 +174,9 @@ def test_the_rollout_sampler_draws_the_truncated_distribution() -> None:
         counts = torch.bincount(drawn.flatten(), minlength=len(probs)).tolist()
         for count, p in zip(counts, expected, strict=True):
             assert abs(count / rows - p) <= 4.5 * math.sqrt(p * (1 - p) / rows), (top_k, top_p)
+    for bad in (float("nan"), float("-inf")):  # an error, not an id past the vocabulary
+        with pytest.raises(FloatingPointError, match="NaN or all zero"):
+            _draw(torch.full((2, 6), bad), 1, 1.0, None)
 
 
 def test_a_stop_token_ends_a_row_and_later_steps_repeat_it(module: GRPOLM) -> None:
