@@ -102,12 +102,17 @@ def ensure_assets(cache: Path) -> dict[str, Path]:
     return {"hf": hf, "data": data}
 
 
-def _batches(data: Path, args: argparse.Namespace) -> list[list[tuple[torch.Tensor, dict]]]:
-    """The rollouts' prompt batches (the first untimed): consecutive training prompts."""
+def _data(args: argparse.Namespace) -> Any:
+    """The prompts' data module, set up for fitting."""
     from plugintrain.data import PromptDataModule
 
-    module = PromptDataModule(str(data), batch_size=args.prompts)
+    module = PromptDataModule(str(args.data), batch_size=args.prompts)
     module.setup("fit")
+    return module
+
+
+def _batches(module: Any, args: argparse.Namespace) -> list[list[tuple[torch.Tensor, dict]]]:
+    """The rollouts' prompt batches (the first untimed): consecutive training prompts."""
     prompts = module.train_set
     count = args.prompts * (1 + args.rollouts)
     items = [prompts[i] for i in range(count)]
@@ -119,12 +124,11 @@ def _batches(data: Path, args: argparse.Namespace) -> list[list[tuple[torch.Tens
 
 def _plugintrain_worker(args: argparse.Namespace) -> dict[str, Any]:
     from plugintrain.core.rewards import ExactMatch, F1Match, RegexFormat
-    from plugintrain.data import PromptDataModule
     from plugintrain.model_zoo import GRPOLM
     from plugintrain.model_zoo.lora import LoRASpec, inject
 
-    data = PromptDataModule(str(args.data), batch_size=args.prompts)
-    batches = _batches(args.data, args)
+    data = _data(args)
+    batches = _batches(data, args)
     module = GRPOLM(
         weights=str(args.weights),
         rewards=[F1Match(), RegexFormat(r"\d{4}-\d{2}-\d{2}"), ExactMatch()],
@@ -160,7 +164,7 @@ def _trl_worker(args: argparse.Namespace) -> dict[str, Any]:
 
     from plugintrain.core.rewards import ExactMatch, F1Match, RegexFormat
 
-    batches = _batches(args.data, args)
+    batches = _batches(_data(args), args)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.weights)
     tokenizer.pad_token = tokenizer.eos_token
     rewards = [F1Match(), RegexFormat(r"\d{4}-\d{2}-\d{2}"), ExactMatch()]

@@ -530,6 +530,14 @@ def _shared_weights(module: nn.Module) -> dict[int, str]:
     return {key: " and ".join(paths) for key, paths in owners.items() if len(paths) > 1}
 
 
+def lora_callback(trainer: Any) -> Any:
+    """The LoRA callback among ``trainer``'s callbacks (the one with a :class:`LoRASpec`),
+    or None."""
+    callbacks = getattr(trainer, "callbacks", None) or []
+    found = [c for c in callbacks if isinstance(getattr(c, "spec", None), LoRASpec)]
+    return found[0] if found else None
+
+
 def adapted_layers(module: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     """Every :class:`LoRALinear` of ``module`` with its path."""
     for path, layer in module.named_modules():

@@ -67,6 +67,7 @@ from plugintrain.core.preference_batch import (
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.cross_entropy import CHUNK_ELEMENTS, IGNORE_INDEX
 from plugintrain.model_zoo.lm import CausalLM
+from plugintrain.model_zoo.lora import lora_callback
 
 OBJECTIVES = ("sigmoid", "ipo", "simpo", "orpo")
 """The preference objectives :class:`PreferenceLM` trains on."""
@@ -378,7 +379,7 @@ class PreferenceLM(CausalLM):
         """What :meth:`on_fit_start` would raise, from the recipe alone (the LoRA callback
         among ``trainer``'s callbacks stands for adapters): ``plugintrain fit`` calls it
         before any process is launched."""
-        callback = _lora_callback(trainer)
+        callback = lora_callback(trainer)
         problem = self.launch_problem(trainer.strategy, datamodule, callback is not None)
         problem = problem or _base_reference_problem(self, callback, datamodule)
         if problem is not None:
@@ -390,7 +391,7 @@ class PreferenceLM(CausalLM):
         trainer, lora = self.trainer, _has_adapters(self.model)
         problem = self.launch_problem(trainer.strategy, trainer.datamodule, lora)
         problem = problem or _base_reference_problem(
-            self, _lora_callback(trainer), trainer.datamodule
+            self, lora_callback(trainer), trainer.datamodule
         )
         if problem is not None:
             raise ValueError(problem)
@@ -649,15 +650,6 @@ def _first_pass_if_needed(module: PreferenceLM, datamodule: Any, lora: bool) -> 
         from plugintrain.model_zoo.reference_pass import first_pass
 
         datamodule.use_reference(first_pass(module, module.trainer, datamodule))
-
-
-def _lora_callback(trainer: Any) -> Any:
-    """The LoRA callback among ``trainer``'s callbacks (the one with a ``LoRASpec``), or
-    None."""
-    from plugintrain.model_zoo.lora import LoRASpec
-
-    found = [c for c in trainer.callbacks if isinstance(getattr(c, "spec", None), LoRASpec)]
-    return found[0] if found else None
 
 
 def _has_adapters(module: torch.nn.Module | None) -> bool:

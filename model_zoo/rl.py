@@ -53,6 +53,7 @@ from plugintrain.core.rewards import reward_name, score
 from plugintrain.model_zoo.config import TransformerConfig
 from plugintrain.model_zoo.generation import left_pad, sample_with_logps
 from plugintrain.model_zoo.lm import CausalLM
+from plugintrain.model_zoo.lora import lora_callback
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 """How :class:`GRPOLM` turns a group's rewards into advantages."""
@@ -242,7 +243,7 @@ class RolloutSampling:
             self.scorer.stop_ids,
             self.scorer.stop_string_rows if self.stop_strings else None,
             [group_generator(self._seed, self.global_step, f, self.device) for _, f in batch],
-            pads if bool(pads.any()) else None,
+            pads,
             copies=G,
             all_done=self._all_ranks_done if self._gathers_weights() else None,
             forward=self,  # through the LightningModule: a strategy's hooks (FSDP2) run
@@ -524,7 +525,7 @@ def shared_prompt_logits(
     idx, pads = left_pad(prompts)
     width = idx.size(1)
     try:
-        model.setup_kv_cache(len(prompts), width + n - 1, pads=pads if bool(pads.any()) else None)
+        model.setup_kv_cache(len(prompts), width + n - 1, pads=pads)
         first = module(idx, torch.arange(width, device=idx.device))[:, -1:]  # (k, 1, V)
         model.repeat_kv_cache(copies)
         first = first.repeat_interleave(copies, dim=0)  # (N, 1, V)
@@ -634,7 +635,7 @@ def launch_problem(module: GRPOLM, trainer: Any, datamodule: Any) -> str | None:
     layout = _layout_problem(strategy)
     if layout is not None:
         return layout
-    if module.policy.beta != 0.0 and not _lora_attached(trainer):
+    if module.policy.beta != 0.0 and lora_callback(trainer) is None:
         return (
             f"beta={module.policy.beta} needs a reference: GRPOLM takes it from the base with"
             " its LoRA adapters off; add the LoRA callback, or set beta: 0"
@@ -680,8 +681,3 @@ def _layout_problem(strategy: Any) -> str | None:
 def _qualified_name(reward: Callable[..., Any]) -> str:
     named = reward if hasattr(reward, "__qualname__") else type(reward)
     return f"{named.__module__}.{named.__qualname__}"
-
-
-def _lora_attached(trainer: Any) -> bool:
-    callbacks = getattr(trainer, "callbacks", None) or []
-    return any(type(c).__name__ == "LoRA" for c in callbacks)

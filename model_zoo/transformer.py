@@ -89,7 +89,8 @@ class KVCaches:
             dtype: Cache dtype; defaults to the model's parameter dtype.
             pads: Prompts of several lengths, left-padded to one: each row's pad count
                 ``(B,)``. A row's tokens then take positions from its first real token,
-                and no query attends to its pads (``layers.cache_mask``); None: no pads.
+                and no query attends to its pads (``layers.cache_mask``); None (or all 0):
+                no pads.
         """
         if max_seq_len > self.config.block_size:
             raise ValueError(
@@ -101,6 +102,8 @@ class KVCaches:
         weight = next(self.parameters())
         device, dtype = device or weight.device, dtype or weight.dtype
         config = self.config
+        if pads is not None and not bool(pads.any()):  # rows of one length: the plain mask
+            pads = None
         self.kv_pads = pads
         for layer in self.layers.values():
             layer.attention.kv_cache = (
